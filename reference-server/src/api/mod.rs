@@ -1,0 +1,3 @@
+//! HTTP handlers, wire types, and the one mapping from errors to problem bodies.
+//!
+//! Architecture invariant: only this module knows status codes and JSON wire shapes.

@@ -1,0 +1,1 @@
+//! The `sandspec serve` command line.

@@ -1,0 +1,226 @@
+//! Negative controls: deliberate, realistic bugs that `--defect <name>` switches on one at a time.
+//!
+//! Every MUST scenario names the defects it catches, and the test suite proves that it fails
+//! against each of them. The names are stable: scenarios refer to them.
+//!
+//! Without the `defects` cargo feature the set can only be empty, so a release build cannot
+//! be started with a bug switched on.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::str::FromStr;
+
+/// One deliberate bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Defect {
+    /// Closing a borrowed connection kills the owner's sandbox.
+    BorrowerCloseKillsOwner,
+    /// A bare ID is looked up in every provider, not only the default one.
+    BareIdAnyProvider,
+    /// A qualified ID's provider is ignored on kill: the first provider holding the local ID wins.
+    KillIgnoresProvider,
+    /// Resources are granted smaller than asked (half the memory), and the readback says so.
+    UndersizedGrant,
+    /// An unsatisfiable create answers 422 but leaves a sandbox behind.
+    UnsatisfiableLeaks,
+    /// A resumed SSE stream skips the first event after the cursor.
+    SseResumeDropsEvent,
+    /// A request rejected with 400 still writes state (the sandbox record is stored first).
+    RejectedRequestWritesState,
+    /// Another principal's object is answered 403 instead of 404 (an existence leak).
+    ForeignObject403,
+    /// Another principal's sandboxes are visible in lists and by ID.
+    ForeignObjectVisible,
+    /// Kill answers 204 but leaves the sandbox and its processes in place.
+    KillReportsSuccessWithoutRemoving,
+    /// Retained process output never expires (no 410 after retention).
+    OutputNeverExpires,
+    /// Symlinks inside the sandbox root are followed out of it (string checks only).
+    SymlinkEscape,
+    /// Page tokens are not bound to their principal and filters.
+    PageTokenUnbound,
+    /// Preview URLs are proxied without checking the preview token.
+    PreviewTokenUnchecked,
+    /// `expires_at` passes and nothing happens.
+    TtlNotEnforced,
+    /// Pause answers 200 but the sandbox's processes keep running.
+    PauseNoop,
+    /// A sandbox created from a snapshot shares its files with the source.
+    CloneSharesFiles,
+    /// An idempotent replay creates a second resource.
+    IdempotencyIgnored,
+    /// Output written after the client disconnects is lost.
+    OutputLostOnDisconnect,
+}
+
+impl Defect {
+    /// Every defect, in a stable order.
+    pub const ALL: &'static [Defect] = &[
+        Defect::BorrowerCloseKillsOwner,
+        Defect::BareIdAnyProvider,
+        Defect::KillIgnoresProvider,
+        Defect::UndersizedGrant,
+        Defect::UnsatisfiableLeaks,
+        Defect::SseResumeDropsEvent,
+        Defect::RejectedRequestWritesState,
+        Defect::ForeignObject403,
+        Defect::ForeignObjectVisible,
+        Defect::KillReportsSuccessWithoutRemoving,
+        Defect::OutputNeverExpires,
+        Defect::SymlinkEscape,
+        Defect::PageTokenUnbound,
+        Defect::PreviewTokenUnchecked,
+        Defect::TtlNotEnforced,
+        Defect::PauseNoop,
+        Defect::CloneSharesFiles,
+        Defect::IdempotencyIgnored,
+        Defect::OutputLostOnDisconnect,
+    ];
+
+    /// The stable kebab-case name used on the command line and in scenario files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Defect::BorrowerCloseKillsOwner => "borrower-close-kills-owner",
+            Defect::BareIdAnyProvider => "bare-id-any-provider",
+            Defect::KillIgnoresProvider => "kill-ignores-provider",
+            Defect::UndersizedGrant => "undersized-grant",
+            Defect::UnsatisfiableLeaks => "unsatisfiable-leaks",
+            Defect::SseResumeDropsEvent => "sse-resume-drops-event",
+            Defect::RejectedRequestWritesState => "rejected-request-writes-state",
+            Defect::ForeignObject403 => "foreign-object-403",
+            Defect::ForeignObjectVisible => "foreign-object-visible",
+            Defect::KillReportsSuccessWithoutRemoving => "kill-reports-success-without-removing",
+            Defect::OutputNeverExpires => "output-never-expires",
+            Defect::SymlinkEscape => "symlink-escape",
+            Defect::PageTokenUnbound => "page-token-unbound",
+            Defect::PreviewTokenUnchecked => "preview-token-unchecked",
+            Defect::TtlNotEnforced => "ttl-not-enforced",
+            Defect::PauseNoop => "pause-noop",
+            Defect::CloneSharesFiles => "clone-shares-files",
+            Defect::IdempotencyIgnored => "idempotency-ignored",
+            Defect::OutputLostOnDisconnect => "output-lost-on-disconnect",
+        }
+    }
+
+    /// One line saying what the bug does, for `sandspec serve --list-defects`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Defect::BorrowerCloseKillsOwner => "closing a borrowed connection kills the owner's sandbox",
+            Defect::BareIdAnyProvider => "bare IDs are looked up in every provider",
+            Defect::KillIgnoresProvider => "kill ignores the provider of a qualified ID",
+            Defect::UndersizedGrant => "resources are granted smaller than asked",
+            Defect::UnsatisfiableLeaks => "an unsatisfiable create answers 422 but leaves a sandbox behind",
+            Defect::SseResumeDropsEvent => "a resumed SSE stream skips the first event after the cursor",
+            Defect::RejectedRequestWritesState => "a request rejected with 400 still writes state",
+            Defect::ForeignObject403 => "another principal's object is answered 403 instead of 404",
+            Defect::ForeignObjectVisible => "another principal's sandboxes are visible",
+            Defect::KillReportsSuccessWithoutRemoving => "kill answers 204 but removes nothing",
+            Defect::OutputNeverExpires => "retained process output never expires",
+            Defect::SymlinkEscape => "symlinks are followed out of the sandbox root",
+            Defect::PageTokenUnbound => "page tokens are not bound to their principal",
+            Defect::PreviewTokenUnchecked => "preview URLs are proxied without a token check",
+            Defect::TtlNotEnforced => "expired sandboxes are neither killed nor paused",
+            Defect::PauseNoop => "pause leaves processes running",
+            Defect::CloneSharesFiles => "a clone shares its files with the source sandbox",
+            Defect::IdempotencyIgnored => "an idempotent replay creates a second resource",
+            Defect::OutputLostOnDisconnect => "output produced after the client goes away is lost",
+        }
+    }
+}
+
+impl fmt::Display for Defect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a defect name was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DefectError {
+    #[error("unknown defect `{0}` (see `sandspec serve --list-defects`)")]
+    Unknown(String),
+    #[error("this build has no defects; rebuild with the `defects` feature to use `--defect {0}`")]
+    NotBuilt(String),
+}
+
+impl FromStr for Defect {
+    type Err = DefectError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Defect::ALL
+            .iter()
+            .copied()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| DefectError::Unknown(s.to_owned()))
+    }
+}
+
+/// The defects switched on for one server. Empty in every normal run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Defects(BTreeSet<Defect>);
+
+impl Defects {
+    /// No defect: the honest server.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Parses defect names; refuses any name when the `defects` feature is off.
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Self, DefectError> {
+        let mut set = BTreeSet::new();
+        for name in names {
+            let defect: Defect = name.parse()?;
+            if !cfg!(feature = "defects") {
+                return Err(DefectError::NotBuilt(name.to_owned()));
+            }
+            set.insert(defect);
+        }
+        Ok(Self(set))
+    }
+
+    /// Whether `defect` is switched on. Always false without the `defects` feature.
+    #[inline]
+    pub fn has(&self, defect: Defect) -> bool {
+        cfg!(feature = "defects") && self.0.contains(&defect)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = Defect> + '_ {
+        self.0.iter().copied()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        let mut seen = BTreeSet::new();
+        for d in Defect::ALL {
+            assert_eq!(d.name().parse::<Defect>().unwrap(), *d);
+            assert!(seen.insert(d.name()), "duplicate name {}", d.name());
+        }
+    }
+
+    #[test]
+    fn unknown_name_is_refused() {
+        assert_eq!(
+            Defects::parse(["no-such-bug"]).unwrap_err(),
+            DefectError::Unknown("no-such-bug".into())
+        );
+    }
+
+    #[test]
+    fn feature_gates_switching_on() {
+        let parsed = Defects::parse(["pause-noop"]);
+        if cfg!(feature = "defects") {
+            assert!(parsed.unwrap().has(Defect::PauseNoop));
+        } else {
+            assert_eq!(parsed.unwrap_err(), DefectError::NotBuilt("pause-noop".into()));
+        }
+    }
+}

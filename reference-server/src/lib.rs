@@ -1,0 +1,27 @@
+//! The sandspec reference server: a complete, honest implementation of API v1 that the
+//! conformance suite runs against, with deliberate defects that can be switched on one at a time.
+//!
+//! # Layout
+//!
+//! - [`config`]: everything the server is started with (principals, providers, limits,
+//!   retention, the store, test controls, defects).
+//! - [`defects`]: the negative controls: realistic bugs the suite must catch.
+//! - [`domain`]: types and rules of the API (IDs, sandboxes, processes). No HTTP, no SQL.
+//! - [`store`]: durable state behind one trait, with SQLite and PostgreSQL implementations
+//!   that pass one shared test suite.
+//! - [`sandbox`]: providers that run real sandboxes: working directories, process groups,
+//!   files confined with capability-based I/O, previews.
+//! - [`stream`]: the durable per-stream event log, live wake-ups and the SSE response.
+//! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
+//! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
+//! - [`cli`]: the `sandspec serve` command line.
+
+pub mod api;
+pub mod cli;
+pub mod config;
+pub mod defects;
+pub mod domain;
+pub mod sandbox;
+pub mod server;
+pub mod store;
+pub mod stream;

@@ -1,0 +1,1 @@
+//! `run(listener, config, shutdown)`: the server, its TLS, and its background reapers.

@@ -1,0 +1,241 @@
+//! Durable state behind one trait. Objects are stored as records (a few indexed columns and a
+//! JSON body); streams are gap-free event logs; idempotency keys are remembered per principal.
+//!
+//! Architecture invariant: every lookup takes a [`Scope`]; handlers acting for a principal
+//! pass `Scope::Owner`, and only the reapers and test controls use `Scope::System`.
+
+mod postgres;
+mod sqlite;
+pub mod suite;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde_json::Value;
+use time::OffsetDateTime;
+
+pub use postgres::PostgresStore;
+pub use sqlite::SqliteStore;
+
+use crate::config::Database;
+
+/// The kinds of stored objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Sandbox,
+    Connection,
+    Snapshot,
+    Process,
+    Preview,
+    Session,
+    Submission,
+    Operation,
+    Artifact,
+}
+
+impl Kind {
+    pub const ALL: &'static [Kind] = &[
+        Kind::Sandbox,
+        Kind::Connection,
+        Kind::Snapshot,
+        Kind::Process,
+        Kind::Preview,
+        Kind::Session,
+        Kind::Submission,
+        Kind::Operation,
+        Kind::Artifact,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Sandbox => "sandbox",
+            Kind::Connection => "connection",
+            Kind::Snapshot => "snapshot",
+            Kind::Process => "process",
+            Kind::Preview => "preview",
+            Kind::Session => "session",
+            Kind::Submission => "submission",
+            Kind::Operation => "operation",
+            Kind::Artifact => "artifact",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Kind> {
+        Kind::ALL.iter().copied().find(|k| k.as_str() == s)
+    }
+}
+
+/// One stored object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub kind: Kind,
+    /// Unique per kind (for provider-qualified objects, the qualified ID).
+    pub id: String,
+    /// The principal that owns it.
+    pub owner: String,
+    /// The object it belongs to (a process's sandbox, a submission's session), if any.
+    pub parent: Option<String>,
+    /// The state, duplicated out of the body so lists can filter on it.
+    pub state: String,
+    pub body: Value,
+    /// Starts at 1; every update bumps it. Updates are compare-and-swap on it, which is how
+    /// writes from a stale worker or a racing server process are fenced.
+    pub version: i64,
+    /// Microsecond precision; lists are ordered by `(created_at, id)`.
+    pub created_at: OffsetDateTime,
+    /// When a reaper must look at it next (TTL, retention), if ever.
+    pub due_at: Option<OffsetDateTime>,
+}
+
+/// Whose objects a lookup may see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope<'a> {
+    /// Only objects this principal owns.
+    Owner(&'a str),
+    /// Everything: reapers and test controls only.
+    System,
+}
+
+/// A list query. Results are ordered by `(created_at, id)` ascending.
+#[derive(Debug, Clone)]
+pub struct ListQuery<'a> {
+    pub kind: Kind,
+    pub scope: Scope<'a>,
+    pub parent: Option<&'a str>,
+    pub state: Option<&'a str>,
+    /// Keyset cursor: only records strictly after `(created_at, id)`.
+    pub after: Option<(OffsetDateTime, String)>,
+    /// At most this many records; `None` for all.
+    pub limit: Option<u32>,
+}
+
+impl<'a> ListQuery<'a> {
+    pub fn new(kind: Kind, scope: Scope<'a>) -> Self {
+        Self { kind, scope, parent: None, state: None, after: None, limit: None }
+    }
+}
+
+/// One event of a stream's durable log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub stream: String,
+    /// Gap-free per stream, starting at 1.
+    pub seq: i64,
+    pub kind: String,
+    pub data: Value,
+    pub at: OffsetDateTime,
+}
+
+/// What a stream's log holds now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamBounds {
+    /// The last sequence number ever appended (0 when none).
+    pub last_seq: i64,
+    /// Every event with `seq <= purged_through` has been dropped by retention.
+    pub purged_through: i64,
+}
+
+/// The outcome of claiming an idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdemClaim {
+    /// The key was free and is now claimed by this request.
+    Claimed,
+    /// Another request holds the key and has not finished.
+    InFlight { request_hash: String },
+    /// A request with this key finished earlier.
+    Done { request_hash: String, status: u16, resource_id: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// An insert whose ID exists, or an update whose version is stale.
+    #[error("conflicting write")]
+    Conflict,
+    /// An update or delete of a record that does not exist.
+    #[error("record not found")]
+    NotFound,
+    /// The database could not be reached or answered with an error.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// A stored body could not be decoded.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict,
+            sqlx::Error::RowNotFound => StoreError::NotFound,
+            _ => StoreError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Durable state. Implemented for SQLite and PostgreSQL; both pass [`suite`].
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Whether the database answers (health checks).
+    async fn ping(&self) -> Result<()>;
+
+    /// Stores a new record with `version = 1`. `Conflict` when the (kind, id) exists.
+    async fn insert(&self, rec: &Record) -> Result<()>;
+
+    /// One record, if it exists and is visible in `scope`.
+    async fn get(&self, kind: Kind, scope: Scope<'_>, id: &str) -> Result<Option<Record>>;
+
+    /// Replaces a record if its stored version still equals `rec.version`; returns the record
+    /// as stored (version bumped). `Conflict` on a stale version, `NotFound` when gone.
+    async fn update(&self, rec: &Record) -> Result<Record>;
+
+    /// Removes a record; false when it did not exist.
+    async fn delete(&self, kind: Kind, id: &str) -> Result<bool>;
+
+    async fn list(&self, q: &ListQuery<'_>) -> Result<Vec<Record>>;
+
+    /// Records of `kind` whose `due_at` is at or before `now`, any owner, oldest due first.
+    async fn due(&self, kind: Kind, now: OffsetDateTime, limit: u32) -> Result<Vec<Record>>;
+
+    /// Appends an event with the stream's next sequence number (gap-free, concurrency-safe).
+    async fn append_event(&self, stream: &str, kind: &str, data: &Value) -> Result<Event>;
+
+    /// Events with `seq > after`, ascending, at most `limit`.
+    async fn events_after(&self, stream: &str, after: i64, limit: u32) -> Result<Vec<Event>>;
+
+    async fn stream_bounds(&self, stream: &str) -> Result<StreamBounds>;
+
+    /// Drops every event of the stream with `seq <= through` (retention) and records it.
+    async fn purge_events(&self, stream: &str, through: i64) -> Result<()>;
+
+    /// Removes a stream and its events altogether (its owner is gone).
+    async fn drop_stream(&self, stream: &str) -> Result<()>;
+
+    /// Claims `key` for `principal` (the key already includes the operation) unless it is
+    /// held or was used; records older than `expire_before` are forgotten first.
+    async fn idem_claim(
+        &self,
+        principal: &str,
+        key: &str,
+        request_hash: &str,
+        expire_before: OffsetDateTime,
+    ) -> Result<IdemClaim>;
+
+    /// Marks a claimed key finished with the response it produced.
+    async fn idem_complete(&self, principal: &str, key: &str, status: u16, resource_id: &str) -> Result<()>;
+
+    /// Releases a claimed key whose request failed, so that nothing is recorded for it.
+    async fn idem_release(&self, principal: &str, key: &str) -> Result<()>;
+
+    /// SHA-256 (hex) over every durable row in a canonical order: records, events, stream
+    /// bounds and idempotency keys. Equal digests mean equal durable state.
+    async fn digest(&self) -> Result<String>;
+}
+
+/// Opens the configured store and runs its migrations.
+pub async fn open(db: &Database) -> Result<Arc<dyn Store>> {
+    // Until both stores implement the trait (store work in progress).
+    let _ = (SqliteStore::open, PostgresStore::connect);
+    todo!("open {db:?}")
+}

@@ -1,0 +1,1 @@
+//! The shared store test suite, run against every implementation.

@@ -1,0 +1,1 @@
+//! SSE responses over durable logs (§7).
