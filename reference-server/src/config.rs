@@ -67,6 +67,8 @@ pub struct Limits {
     pub max_timeout_s: u64,
     pub default_timeout_s: u64,
     pub max_queue_depth: u32,
+    /// Retained output per process; beyond it output is dropped and reported `truncated`.
+    pub max_process_output_bytes: u64,
     /// How often the reapers look for expired sandboxes and retained data, in milliseconds.
     pub reaper_interval_ms: u64,
 }
@@ -85,6 +87,7 @@ impl Default for Limits {
             max_timeout_s: 24 * 3600,
             default_timeout_s: 3600,
             max_queue_depth: 16,
+            max_process_output_bytes: 4 * 1024 * 1024,
             reaper_interval_ms: 250,
         }
     }
