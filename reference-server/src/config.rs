@@ -166,9 +166,21 @@ impl Config {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             principals: vec![
-                Principal { name: "alice".into(), token: "alice-token".into(), scopes: Principal::all_scopes() },
-                Principal { name: "bob".into(), token: "bob-token".into(), scopes: Principal::all_scopes() },
-                Principal { name: "reader".into(), token: "reader-token".into(), scopes: vec![Scope::Read] },
+                Principal {
+                    name: "alice".into(),
+                    token: "alice-token".into(),
+                    scopes: Principal::all_scopes(),
+                },
+                Principal {
+                    name: "bob".into(),
+                    token: "bob-token".into(),
+                    scopes: Principal::all_scopes(),
+                },
+                Principal {
+                    name: "reader".into(),
+                    token: "reader-token".into(),
+                    scopes: vec![Scope::Read],
+                },
             ],
             admin_token: Some("admin-token".into()),
             providers: Self::standard_providers(),
@@ -186,8 +198,20 @@ impl Config {
     /// and cross-provider confusion are real.
     pub fn standard_providers() -> Vec<ProviderConfig> {
         vec![
-            ProviderConfig { name: "local".into(), capacity: Resources { cpu: 4.0, memory_mb: 8192 } },
-            ProviderConfig { name: "local-b".into(), capacity: Resources { cpu: 2.0, memory_mb: 2048 } },
+            ProviderConfig {
+                name: "local".into(),
+                capacity: Resources {
+                    cpu: 4.0,
+                    memory_mb: 8192,
+                },
+            },
+            ProviderConfig {
+                name: "local-b".into(),
+                capacity: Resources {
+                    cpu: 2.0,
+                    memory_mb: 2048,
+                },
+            },
         ]
     }
 
@@ -196,11 +220,15 @@ impl Config {
     }
 
     pub fn principal_by_token(&self, token: &str) -> Option<&Principal> {
-        self.principals.iter().find(|p| constant_time_eq(p.token.as_bytes(), token.as_bytes()))
+        self.principals
+            .iter()
+            .find(|p| constant_time_eq(p.token.as_bytes(), token.as_bytes()))
     }
 
     pub fn is_admin_token(&self, token: &str) -> bool {
-        self.admin_token.as_deref().is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
+        self.admin_token
+            .as_deref()
+            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
     }
 }
 

@@ -105,12 +105,18 @@ impl Defect {
     /// One line saying what the bug does, for `sandspec serve --list-defects`.
     pub fn describe(self) -> &'static str {
         match self {
-            Defect::BorrowerCloseKillsOwner => "closing a borrowed connection kills the owner's sandbox",
+            Defect::BorrowerCloseKillsOwner => {
+                "closing a borrowed connection kills the owner's sandbox"
+            }
             Defect::BareIdAnyProvider => "bare IDs are looked up in every provider",
             Defect::KillIgnoresProvider => "kill ignores the provider of a qualified ID",
             Defect::UndersizedGrant => "resources are granted smaller than asked",
-            Defect::UnsatisfiableLeaks => "an unsatisfiable create answers 422 but leaves a sandbox behind",
-            Defect::SseResumeDropsEvent => "a resumed SSE stream skips the first event after the cursor",
+            Defect::UnsatisfiableLeaks => {
+                "an unsatisfiable create answers 422 but leaves a sandbox behind"
+            }
+            Defect::SseResumeDropsEvent => {
+                "a resumed SSE stream skips the first event after the cursor"
+            }
             Defect::RejectedRequestWritesState => "a request rejected with 400 still writes state",
             Defect::ForeignObject403 => "another principal's object is answered 403 instead of 404",
             Defect::ForeignObjectVisible => "another principal's sandboxes are visible",
@@ -220,7 +226,10 @@ mod tests {
         if cfg!(feature = "defects") {
             assert!(parsed.unwrap().has(Defect::PauseNoop));
         } else {
-            assert_eq!(parsed.unwrap_err(), DefectError::NotBuilt("pause-noop".into()));
+            assert_eq!(
+                parsed.unwrap_err(),
+                DefectError::NotBuilt("pause-noop".into())
+            );
         }
     }
 }

@@ -30,7 +30,11 @@ pub type LocalId = String;
 
 /// A fresh local ID: the kind's prefix and a lowercase ULID.
 pub fn new_local_id(kind: IdKind) -> LocalId {
-    format!("{}{}", kind.prefix(), ulid::Ulid::new().to_string().to_lowercase())
+    format!(
+        "{}{}",
+        kind.prefix(),
+        ulid::Ulid::new().to_string().to_lowercase()
+    )
 }
 
 /// An unguessable token (preview tokens, page-token keys): 32 random bytes, URL-safe base64.
@@ -59,7 +63,10 @@ pub struct QualifiedId {
 
 impl QualifiedId {
     pub fn new(provider: impl Into<String>, local: impl Into<String>) -> Self {
-        Self { provider: provider.into(), local: local.into() }
+        Self {
+            provider: provider.into(),
+            local: local.into(),
+        }
     }
 
     /// Parses `provider:local`, or a bare `local` which resolves in `default_provider` only.
@@ -71,7 +78,9 @@ impl QualifiedId {
         let valid = |part: &str| {
             !part.is_empty()
                 && part.len() <= 128
-                && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
         };
         match s.split_once(':') {
             Some((provider, local)) if valid(provider) && valid(local) => {
@@ -94,9 +103,12 @@ impl fmt::Display for QualifiedId {
 mod tests {
     use super::*;
 
+    /// The expected (provider, local, bare) of a parse.
+    type Parsed<'a> = Result<(&'a str, &'a str, bool), IdError>;
+
     #[test]
     fn parse_cases() {
-        let cases: &[(&str, Result<(&str, &str, bool), IdError>)] = &[
+        let cases: &[(&str, Parsed<'_>)] = &[
             ("local:sbx_1", Ok(("local", "sbx_1", false))),
             ("local-b:sbx_1", Ok(("local-b", "sbx_1", false))),
             ("sbx_1", Ok(("local", "sbx_1", true))),
@@ -107,8 +119,8 @@ mod tests {
             ("../etc", Err(IdError::Malformed)),
         ];
         for (input, expected) in cases {
-            let got = QualifiedId::parse(input, "local")
-                .map(|(id, bare)| (id.provider, id.local, bare));
+            let got =
+                QualifiedId::parse(input, "local").map(|(id, bare)| (id.provider, id.local, bare));
             let expected = expected
                 .as_ref()
                 .map(|(p, l, b)| (p.to_string(), l.to_string(), *b))
@@ -132,6 +144,9 @@ mod tests {
         let b = new_local_id(IdKind::Sandbox);
         assert!(a.starts_with("sbx_"));
         assert_ne!(a, b);
-        assert_eq!(QualifiedId::new("local", a.clone()).to_string(), format!("local:{a}"));
+        assert_eq!(
+            QualifiedId::new("local", a.clone()).to_string(),
+            format!("local:{a}")
+        );
     }
 }

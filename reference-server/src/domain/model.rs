@@ -164,5 +164,6 @@ pub struct Preview {
 /// The current time, truncated to whole microseconds so it survives every store unchanged.
 pub fn now() -> OffsetDateTime {
     let t = OffsetDateTime::now_utc();
-    t.replace_nanosecond(t.nanosecond() / 1000 * 1000).unwrap_or(t)
+    t.replace_nanosecond(t.nanosecond() / 1000 * 1000)
+        .unwrap_or(t)
 }

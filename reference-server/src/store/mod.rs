@@ -3,8 +3,15 @@
 //!
 //! Architecture invariant: every lookup takes a [`Scope`]; handlers acting for a principal
 //! pass `Scope::Owner`, and only the reapers and test controls use `Scope::System`.
+//!
+//! Both stores keep times as whole microseconds since the epoch and order text by bytes, so
+//! they return the same records in the same order and compute the same [`Store::digest`] for
+//! the same state. Several server processes may share one database (PostgreSQL, or one SQLite
+//! file): appends, compare-and-swap updates and idempotency claims are atomic across them.
+//! Schemas live in `migrations/{sqlite,postgres}/` and are applied when a store opens.
 
 mod postgres;
+mod rows;
 mod sqlite;
 pub mod suite;
 
@@ -111,7 +118,14 @@ pub struct ListQuery<'a> {
 
 impl<'a> ListQuery<'a> {
     pub fn new(kind: Kind, scope: Scope<'a>) -> Self {
-        Self { kind, scope, parent: None, state: None, after: None, limit: None }
+        Self {
+            kind,
+            scope,
+            parent: None,
+            state: None,
+            after: None,
+            limit: None,
+        }
     }
 }
 
@@ -143,7 +157,11 @@ pub enum IdemClaim {
     /// Another request holds the key and has not finished.
     InFlight { request_hash: String },
     /// A request with this key finished earlier.
-    Done { request_hash: String, status: u16, resource_id: String },
+    Done {
+        request_hash: String,
+        status: u16,
+        resource_id: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +185,9 @@ impl From<sqlx::Error> for StoreError {
         match &e {
             sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict,
             sqlx::Error::RowNotFound => StoreError::NotFound,
+            sqlx::Error::ColumnDecode { .. }
+            | sqlx::Error::Decode(_)
+            | sqlx::Error::ColumnNotFound(_) => StoreError::Corrupt(e.to_string()),
             _ => StoreError::Unavailable(e.to_string()),
         }
     }
@@ -180,7 +201,8 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the database answers (health checks).
     async fn ping(&self) -> Result<()>;
 
-    /// Stores a new record with `version = 1`. `Conflict` when the (kind, id) exists.
+    /// Stores a new record with `version = 1` (whatever `rec.version` says). `Conflict` when
+    /// the (kind, id) exists. Times are kept to the microsecond.
     async fn insert(&self, rec: &Record) -> Result<()>;
 
     /// One record, if it exists and is visible in `scope`.
@@ -188,6 +210,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Replaces a record if its stored version still equals `rec.version`; returns the record
     /// as stored (version bumped). `Conflict` on a stale version, `NotFound` when gone.
+    /// `parent`, `state`, `body` and `due_at` are replaced; `owner` and `created_at` are fixed
+    /// at insert (list order and ownership never change).
     async fn update(&self, rec: &Record) -> Result<Record>;
 
     /// Removes a record; false when it did not exist.
@@ -207,13 +231,16 @@ pub trait Store: Send + Sync + 'static {
     async fn stream_bounds(&self, stream: &str) -> Result<StreamBounds>;
 
     /// Drops every event of the stream with `seq <= through` (retention) and records it.
+    /// `purged_through` never goes down, nor past `last_seq`; an unknown stream is left alone.
     async fn purge_events(&self, stream: &str, through: i64) -> Result<()>;
 
-    /// Removes a stream and its events altogether (its owner is gone).
+    /// Removes a stream and its events altogether (its owner is gone); its bounds read as
+    /// zero again.
     async fn drop_stream(&self, stream: &str) -> Result<()>;
 
     /// Claims `key` for `principal` (the key already includes the operation) unless it is
-    /// held or was used; records older than `expire_before` are forgotten first.
+    /// held or was used; keys (of every principal) claimed before `expire_before` are
+    /// forgotten first. Atomic across server processes: of concurrent claims, one wins.
     async fn idem_claim(
         &self,
         principal: &str,
@@ -222,10 +249,18 @@ pub trait Store: Send + Sync + 'static {
         expire_before: OffsetDateTime,
     ) -> Result<IdemClaim>;
 
-    /// Marks a claimed key finished with the response it produced.
-    async fn idem_complete(&self, principal: &str, key: &str, status: u16, resource_id: &str) -> Result<()>;
+    /// Marks a claimed key finished with the response it produced. A key forgotten meanwhile
+    /// stays forgotten.
+    async fn idem_complete(
+        &self,
+        principal: &str,
+        key: &str,
+        status: u16,
+        resource_id: &str,
+    ) -> Result<()>;
 
-    /// Releases a claimed key whose request failed, so that nothing is recorded for it.
+    /// Releases a claimed key whose request failed, so that nothing is recorded for it. A key
+    /// already completed is kept.
     async fn idem_release(&self, principal: &str, key: &str) -> Result<()>;
 
     /// SHA-256 (hex) over every durable row in a canonical order: records, events, stream
@@ -235,7 +270,8 @@ pub trait Store: Send + Sync + 'static {
 
 /// Opens the configured store and runs its migrations.
 pub async fn open(db: &Database) -> Result<Arc<dyn Store>> {
-    // Until both stores implement the trait (store work in progress).
-    let _ = (SqliteStore::open, PostgresStore::connect);
-    todo!("open {db:?}")
+    Ok(match db {
+        Database::Sqlite(path) => Arc::new(SqliteStore::open(path.as_deref()).await?),
+        Database::Postgres(url) => Arc::new(PostgresStore::connect(url).await?),
+    })
 }

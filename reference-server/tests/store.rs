@@ -1,0 +1,158 @@
+//! The shared store suite on every store: SQLite in memory and in a file, and PostgreSQL in a
+//! private cluster (each test its own database).
+
+use reference_server::store::suite::{self, Fixture};
+use reference_server::store::{PostgresStore, SqliteStore, Store};
+use reference_server::testing::PgCluster;
+
+async fn sqlite_memory() -> Option<Fixture> {
+    Some(Fixture::new(
+        SqliteStore::open(None)
+            .await
+            .expect("open in-memory SQLite"),
+    ))
+}
+
+async fn sqlite_file() -> Option<Fixture> {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = SqliteStore::open(Some(&dir.path().join("sandspec.db")))
+        .await
+        .expect("open SQLite file");
+    Some(Fixture::new(store).holding(dir))
+}
+
+async fn postgres() -> Option<Fixture> {
+    let cluster = PgCluster::shared_or_skip()?;
+    let url = cluster.fresh_database().await;
+    Some(Fixture::new(
+        PostgresStore::connect(&url)
+            .await
+            .expect("connect to PostgreSQL"),
+    ))
+}
+
+mod sqlite_memory {
+    reference_server::store_suite!(super::sqlite_memory().await);
+}
+
+mod sqlite_file {
+    reference_server::store_suite!(super::sqlite_file().await);
+}
+
+mod postgres {
+    reference_server::store_suite!(super::postgres().await);
+}
+
+/// The same logical state has the same digest in every store.
+#[tokio::test]
+async fn digest_is_the_same_in_every_store() {
+    let mut stores: Vec<(&str, Fixture)> = vec![
+        ("sqlite memory", sqlite_memory().await.unwrap()),
+        ("sqlite file", sqlite_file().await.unwrap()),
+    ];
+    if let Some(pg) = postgres().await {
+        stores.push(("postgres", pg));
+    }
+    let mut digests = Vec::new();
+    for (name, fixture) in &stores {
+        let empty = fixture.store.digest().await.unwrap();
+        suite::write_deterministic_state(&*fixture.store).await;
+        digests.push((*name, empty, fixture.store.digest().await.unwrap()));
+    }
+    for (name, empty, full) in &digests {
+        assert_eq!(empty, &digests[0].1, "{name}: empty digest");
+        assert_eq!(full, &digests[0].2, "{name}: digest of the same state");
+        assert_ne!(empty, full);
+    }
+}
+
+/// A PostgreSQL that goes away makes calls fail with `Unavailable` (never a panic or a hang),
+/// and the same store works again once it is back.
+#[tokio::test]
+async fn postgres_outage_is_unavailable_then_recovers() {
+    let Some(cluster) = PgCluster::start_or_skip() else {
+        return;
+    };
+    let url = cluster.fresh_database().await;
+    let store = PostgresStore::connect(&url).await.unwrap();
+    store
+        .append_event("s", "k", &serde_json::Value::Null)
+        .await
+        .unwrap();
+
+    cluster.stop();
+    let started = std::time::Instant::now();
+    let err = store
+        .ping()
+        .await
+        .expect_err("ping while the database is down");
+    assert!(
+        matches!(err, reference_server::store::StoreError::Unavailable(_)),
+        "got {err:?}"
+    );
+    let err = store
+        .append_event("s", "k", &serde_json::Value::Null)
+        .await
+        .expect_err("append while down");
+    assert!(
+        matches!(err, reference_server::store::StoreError::Unavailable(_)),
+        "got {err:?}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "failing took {:?}",
+        started.elapsed()
+    );
+    let err = PostgresStore::connect(&url)
+        .await
+        .err()
+        .expect("connect while down");
+    assert!(
+        matches!(err, reference_server::store::StoreError::Unavailable(_)),
+        "got {err:?}"
+    );
+
+    cluster.start();
+    store.ping().await.expect("ping after the restart");
+    assert_eq!(
+        store
+            .append_event("s", "k", &serde_json::Value::Null)
+            .await
+            .unwrap()
+            .seq,
+        2
+    );
+}
+
+/// Two stores on one PostgreSQL database stand in for two server processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_postgres_stores_share_streams_and_records() {
+    let Some(cluster) = PgCluster::shared_or_skip() else {
+        return;
+    };
+    // The blocking form, from inside a runtime, as a synchronous harness would use it.
+    let url = cluster.fresh_database_blocking();
+    let (a, b) = tokio::join!(PostgresStore::connect(&url), PostgresStore::connect(&url));
+    let a: std::sync::Arc<dyn Store> = std::sync::Arc::new(a.expect("first store migrates"));
+    let b: std::sync::Arc<dyn Store> =
+        std::sync::Arc::new(b.expect("second store migrates concurrently"));
+
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            store
+                .append_event("s", "k", &serde_json::json!(i))
+                .await
+                .unwrap()
+                .seq
+        }));
+    }
+    let mut seqs = Vec::new();
+    for t in tasks {
+        seqs.push(t.await.unwrap());
+    }
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=60).collect::<Vec<i64>>());
+    assert_eq!(a.digest().await.unwrap(), b.digest().await.unwrap());
+}
