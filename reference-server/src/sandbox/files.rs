@@ -2,6 +2,13 @@
 //! that leaves the root, absolute paths and symlinks pointing out are refused by the OS-level
 //! resolution, not by string checks alone.
 
+use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
+
+use cap_std::ambient_authority;
+use cap_std::fs::Dir;
+use sha2::{Digest as _, Sha256};
+
 /// One directory entry.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct FileEntry {
@@ -38,23 +45,418 @@ pub enum FileError {
 
 /// The files of one sandbox.
 pub struct SandboxFiles {
-    // Private: a cap-std directory handle on the sandbox root.
+    access: Access,
+}
+
+/// How paths are resolved below the root.
+enum Access {
+    /// The honest way: every lookup goes through a directory capability, so the kernel
+    /// (openat2 `RESOLVE_BENEATH`, or cap-std's own walk) refuses anything that leaves it.
+    Confined(Dir),
+    /// Defect `symlink-escape`: plain path joins with a string check for `..` only, so a
+    /// symlink inside the root that points out of it is followed.
+    Joined(PathBuf),
 }
 
 impl SandboxFiles {
-    pub fn write(&self, _path: &str, _bytes: &[u8]) -> Result<WriteOutcome, FileError> {
-        todo!()
+    /// Opens the files of the sandbox whose root is `root`. With `follow_symlinks_out`
+    /// (defect `symlink-escape`) symlinks are followed wherever they point.
+    pub(super) fn open(root: &Path, follow_symlinks_out: bool) -> io::Result<Self> {
+        let access = if follow_symlinks_out {
+            if !root.is_dir() {
+                return Err(io::Error::from(io::ErrorKind::NotFound));
+            }
+            Access::Joined(root.to_owned())
+        } else {
+            Access::Confined(Dir::open_ambient_dir(root, ambient_authority())?)
+        };
+        Ok(Self { access })
     }
 
-    pub fn read(&self, _path: &str) -> Result<Vec<u8>, FileError> {
-        todo!()
+    pub fn write(&self, path: &str, bytes: &[u8]) -> Result<WriteOutcome, FileError> {
+        let rel = normalize(path)?;
+        if rel.is_empty() {
+            return Err(FileError::InvalidPath);
+        }
+        let created = match self.metadata(&rel) {
+            Ok(meta) if meta.is_dir => return Err(FileError::WrongKind),
+            Ok(_) => false,
+            Err(FileError::NotFound) => true,
+            Err(e) => return Err(e),
+        };
+        let parent = Path::new(&rel)
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty());
+        match &self.access {
+            Access::Confined(dir) => {
+                if let Some(parent) = parent {
+                    dir.create_dir_all(parent).map_err(map_io)?;
+                }
+                let mut file = dir.create(&rel).map_err(map_io)?;
+                file.write_all(bytes)?;
+            }
+            Access::Joined(root) => {
+                if let Some(parent) = parent {
+                    std::fs::create_dir_all(root.join(parent)).map_err(map_io)?;
+                }
+                std::fs::write(root.join(&rel), bytes).map_err(map_io)?;
+            }
+        }
+        Ok(WriteOutcome {
+            path: rel,
+            size: bytes.len() as u64,
+            sha256: hex::encode(Sha256::digest(bytes)),
+            created,
+        })
     }
 
-    pub fn list(&self, _path: &str) -> Result<Vec<FileEntry>, FileError> {
-        todo!()
+    pub fn read(&self, path: &str) -> Result<Vec<u8>, FileError> {
+        let rel = normalize(path)?;
+        if self.metadata(&rel)?.is_dir {
+            return Err(FileError::WrongKind);
+        }
+        match &self.access {
+            Access::Confined(dir) => dir.read(&rel).map_err(map_io),
+            Access::Joined(root) => std::fs::read(root.join(&rel)).map_err(map_io),
+        }
     }
 
-    pub fn delete(&self, _path: &str) -> Result<(), FileError> {
-        todo!()
+    pub fn list(&self, path: &str) -> Result<Vec<FileEntry>, FileError> {
+        let rel = normalize(path)?;
+        if !self.metadata(&rel)?.is_dir {
+            return Err(FileError::WrongKind);
+        }
+        let mut entries = match &self.access {
+            Access::Confined(dir) => {
+                let sub = if rel.is_empty() {
+                    dir.try_clone()?
+                } else {
+                    dir.open_dir(&rel).map_err(map_io)?
+                };
+                let mut out = Vec::new();
+                for entry in sub.entries()? {
+                    let entry = entry?;
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let meta = sub.symlink_metadata(entry.file_name()).map_err(map_io)?;
+                    out.push(entry_of(name, &Meta::of_cap(&meta)));
+                }
+                out
+            }
+            Access::Joined(root) => {
+                let mut out = Vec::new();
+                for entry in std::fs::read_dir(root.join(&rel)).map_err(map_io)? {
+                    let entry = entry?;
+                    let meta = std::fs::symlink_metadata(entry.path())?;
+                    out.push(entry_of(
+                        entry.file_name().to_string_lossy().into_owned(),
+                        &Meta::of_std(&meta),
+                    ));
+                }
+                out
+            }
+        };
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(entries)
+    }
+
+    /// Removes a file, a symlink (not its target) or a directory with everything below it.
+    pub fn delete(&self, path: &str) -> Result<(), FileError> {
+        let rel = normalize(path)?;
+        if rel.is_empty() {
+            // The root itself is not an entry of the sandbox; it cannot be deleted.
+            return Err(FileError::InvalidPath);
+        }
+        let meta = self.symlink_metadata(&rel)?;
+        match (&self.access, meta.is_dir) {
+            (Access::Confined(dir), true) => dir.remove_dir_all(&rel).map_err(map_io),
+            (Access::Confined(dir), false) => dir.remove_file(&rel).map_err(map_io),
+            (Access::Joined(root), true) => {
+                std::fs::remove_dir_all(root.join(&rel)).map_err(map_io)
+            }
+            (Access::Joined(root), false) => std::fs::remove_file(root.join(&rel)).map_err(map_io),
+        }
+    }
+
+    /// Metadata following symlinks (and refusing those that lead out).
+    fn metadata(&self, rel: &str) -> Result<Meta, FileError> {
+        let rel = if rel.is_empty() { "." } else { rel };
+        match &self.access {
+            Access::Confined(dir) => dir.metadata(rel).map(|m| Meta::of_cap(&m)).map_err(map_io),
+            Access::Joined(root) => std::fs::metadata(root.join(rel))
+                .map(|m| Meta::of_std(&m))
+                .map_err(map_io),
+        }
+    }
+
+    /// Metadata of the entry itself (a symlink is not followed in the last component).
+    fn symlink_metadata(&self, rel: &str) -> Result<Meta, FileError> {
+        match &self.access {
+            Access::Confined(dir) => dir
+                .symlink_metadata(rel)
+                .map(|m| Meta::of_cap(&m))
+                .map_err(map_io),
+            Access::Joined(root) => std::fs::symlink_metadata(root.join(rel))
+                .map(|m| Meta::of_std(&m))
+                .map_err(map_io),
+        }
+    }
+}
+
+/// The parts of file metadata this module needs, from either std or cap-std.
+struct Meta {
+    is_dir: bool,
+    is_symlink: bool,
+    len: u64,
+}
+
+impl Meta {
+    fn of_cap(m: &cap_std::fs::Metadata) -> Self {
+        Self {
+            is_dir: m.is_dir(),
+            is_symlink: m.file_type().is_symlink(),
+            len: m.len(),
+        }
+    }
+
+    fn of_std(m: &std::fs::Metadata) -> Self {
+        Self {
+            is_dir: m.is_dir(),
+            is_symlink: m.file_type().is_symlink(),
+            len: m.len(),
+        }
+    }
+}
+
+fn entry_of(name: String, meta: &Meta) -> FileEntry {
+    let kind = if meta.is_symlink {
+        "symlink"
+    } else if meta.is_dir {
+        "dir"
+    } else {
+        "file"
+    };
+    FileEntry {
+        name,
+        kind,
+        size: if meta.is_dir { 0 } else { meta.len },
+    }
+}
+
+/// Normalizes a client path relative to the root: `.` and empty segments go, `..` pops a
+/// segment. Absolute paths, `..` above the root and NUL bytes are `InvalidPath`. The empty
+/// string is the root itself.
+///
+/// This is a lexical check only; symlinks are resolved by the OS below a directory capability.
+pub(super) fn normalize(path: &str) -> Result<String, FileError> {
+    if path.starts_with('/') || path.contains('\0') {
+        return Err(FileError::InvalidPath);
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for segment in path.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                parts.pop().ok_or(FileError::InvalidPath)?;
+            }
+            s => parts.push(s),
+        }
+    }
+    Ok(parts.join("/"))
+}
+
+/// Maps an I/O error to what it means for the client. cap-std reports an attempt to leave
+/// the directory as a `PermissionDenied` error without an OS error code.
+fn map_io(e: io::Error) -> FileError {
+    match e.kind() {
+        io::ErrorKind::NotFound => FileError::NotFound,
+        io::ErrorKind::PermissionDenied if e.raw_os_error().is_none() => FileError::InvalidPath,
+        io::ErrorKind::NotADirectory
+        | io::ErrorKind::IsADirectory
+        | io::ErrorKind::DirectoryNotEmpty => FileError::WrongKind,
+        _ => match e.raw_os_error() {
+            // openat2 with RESOLVE_BENEATH answers EXDEV when a path leads out.
+            Some(libc::EXDEV) => FileError::InvalidPath,
+            // A path component that exists but is a file (`file.txt/x`).
+            Some(libc::ENOTDIR) => FileError::WrongKind,
+            _ => FileError::Io(e),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (tempfile::TempDir, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        (tmp, root)
+    }
+
+    #[test]
+    fn normalize_cases() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("a/b", Some("a/b")),
+            ("a/./b", Some("a/b")),
+            ("./a//b/", Some("a/b")),
+            ("a/../b", Some("b")),
+            ("", Some("")),
+            (".", Some("")),
+            ("..", None),
+            ("../x", None),
+            ("a/../../x", None),
+            ("/etc/passwd", None),
+            ("a\0b", None),
+        ];
+        for (input, expected) in cases {
+            let got = normalize(input).ok();
+            assert_eq!(got.as_deref(), *expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn binary_round_trip_is_exact_and_reports_created() {
+        let (_tmp, root) = setup();
+        let files = SandboxFiles::open(&root, false).unwrap();
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+        let first = files.write("deep/er/./bin.dat", &bytes).unwrap();
+        assert_eq!(first.path, "deep/er/bin.dat");
+        assert_eq!(first.size, 70_000);
+        assert_eq!(first.sha256, hex::encode(Sha256::digest(&bytes)));
+        assert!(first.created);
+        assert_eq!(files.read("deep/er/bin.dat").unwrap(), bytes);
+        assert_eq!(std::fs::read(root.join("deep/er/bin.dat")).unwrap(), bytes);
+
+        let second = files.write("deep/er/bin.dat", b"short").unwrap();
+        assert!(!second.created);
+        assert_eq!(files.read("deep/er/bin.dat").unwrap(), b"short");
+    }
+
+    #[test]
+    fn list_is_sorted_with_kinds_and_sizes() {
+        let (_tmp, root) = setup();
+        let files = SandboxFiles::open(&root, false).unwrap();
+        files.write("b.txt", b"12345").unwrap();
+        files.write("a/inner.txt", b"x").unwrap();
+        std::os::unix::fs::symlink("b.txt", root.join("c-link")).unwrap();
+        let entries = files.list("").unwrap();
+        let summary: Vec<(&str, &str)> =
+            entries.iter().map(|e| (e.name.as_str(), e.kind)).collect();
+        assert_eq!(
+            summary,
+            [("a", "dir"), ("b.txt", "file"), ("c-link", "symlink")]
+        );
+        assert_eq!(entries[1].size, 5);
+        assert_eq!(files.list("a").unwrap()[0].name, "inner.txt");
+        assert!(matches!(files.list("b.txt"), Err(FileError::WrongKind)));
+        assert!(matches!(files.list("nope"), Err(FileError::NotFound)));
+    }
+
+    #[test]
+    fn delete_removes_files_and_trees() {
+        let (_tmp, root) = setup();
+        let files = SandboxFiles::open(&root, false).unwrap();
+        files.write("tree/a/b/c.txt", b"x").unwrap();
+        files.write("single.txt", b"x").unwrap();
+        files.delete("single.txt").unwrap();
+        files.delete("tree").unwrap();
+        assert!(!root.join("single.txt").exists());
+        assert!(!root.join("tree").exists());
+        assert!(matches!(files.delete("tree"), Err(FileError::NotFound)));
+        assert!(matches!(files.delete(""), Err(FileError::InvalidPath)));
+    }
+
+    #[test]
+    fn wrong_kinds_and_missing() {
+        let (_tmp, root) = setup();
+        let files = SandboxFiles::open(&root, false).unwrap();
+        files.write("d/f", b"x").unwrap();
+        assert!(matches!(files.read("d"), Err(FileError::WrongKind)));
+        assert!(matches!(files.read(""), Err(FileError::WrongKind)));
+        assert!(matches!(files.write("d", b"x"), Err(FileError::WrongKind)));
+        assert!(matches!(
+            files.write("d/f/g", b"x"),
+            Err(FileError::WrongKind)
+        ));
+        assert!(matches!(files.read("missing"), Err(FileError::NotFound)));
+        assert!(matches!(files.write("", b"x"), Err(FileError::InvalidPath)));
+    }
+
+    /// Every way out of the root is refused, and nothing outside it is read or created.
+    fn check_escapes(files: &SandboxFiles, outside: &Path) {
+        let attempts = [
+            "../x",
+            "/etc/passwd",
+            "out/passwd",
+            "out/new-file",
+            "up/x",
+            "up/root/../escaped",
+            "abs-outside/secret.txt",
+        ];
+        for path in attempts {
+            assert!(
+                matches!(files.read(path), Err(FileError::InvalidPath)),
+                "read {path}"
+            );
+            assert!(
+                matches!(files.write(path, b"pwned"), Err(FileError::InvalidPath)),
+                "write {path}"
+            );
+            assert!(
+                matches!(files.list(path), Err(FileError::InvalidPath)),
+                "list {path}"
+            );
+        }
+        assert!(matches!(files.list("out"), Err(FileError::InvalidPath)));
+        assert!(matches!(files.list("up"), Err(FileError::InvalidPath)));
+        assert!(matches!(files.delete("up/x"), Err(FileError::InvalidPath)));
+        assert!(!outside.join("x").exists());
+        assert!(!outside.join("escaped").exists());
+        assert_eq!(
+            std::fs::read(outside.join("secret.txt")).unwrap(),
+            b"secret"
+        );
+    }
+
+    #[test]
+    fn escapes_are_invalid_paths() {
+        let (tmp, root) = setup();
+        let outside = tmp.path().to_owned();
+        std::fs::write(outside.join("secret.txt"), b"secret").unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
+        std::os::unix::fs::symlink("..", root.join("up")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("abs-outside")).unwrap();
+        let files = SandboxFiles::open(&root, false).unwrap();
+        check_escapes(&files, &outside);
+        // A symlink that stays inside is fine, and deleting a link leaves its target alone.
+        files.write("target.txt", b"inside").unwrap();
+        std::os::unix::fs::symlink("target.txt", root.join("inner-link")).unwrap();
+        assert_eq!(files.read("inner-link").unwrap(), b"inside");
+        files.delete("out").unwrap();
+        assert!(Path::new("/etc/passwd").exists());
+    }
+
+    #[cfg(feature = "defects")]
+    #[test]
+    fn defect_symlink_escape_follows_links_out() {
+        let (tmp, root) = setup();
+        let outside = tmp.path().to_owned();
+        std::fs::write(outside.join("secret.txt"), b"secret").unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("abs-outside")).unwrap();
+        let files = SandboxFiles::open(&root, true).unwrap();
+        // String checks still refuse `..` and absolute paths ...
+        assert!(matches!(
+            files.read("../secret.txt"),
+            Err(FileError::InvalidPath)
+        ));
+        assert!(matches!(
+            files.read("/etc/passwd"),
+            Err(FileError::InvalidPath)
+        ));
+        // ... but the symlink is followed out of the root.
+        assert_eq!(files.read("abs-outside/secret.txt").unwrap(), b"secret");
+        files.write("abs-outside/planted.txt", b"x").unwrap();
+        assert!(outside.join("planted.txt").exists());
     }
 }

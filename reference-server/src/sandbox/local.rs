@@ -1,15 +1,35 @@
 //! The local provider: sandboxes as directories on this machine, processes as process groups.
+//!
+//! On disk, below `<data_dir>/providers/<provider>/`:
+//! - `sandboxes/<local>/root/`: the sandbox's files (the processes' working directory);
+//! - `sandboxes/<local>/grant.json`: the resources granted, outside the root so that
+//!   processes cannot change it; read back when there are no cgroups;
+//! - `snapshots/<local>/root/` and `snapshots/<local>/source`: a snapshot's files and the
+//!   sandbox it was taken from.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::config::{Config, ProviderConfig};
-use crate::domain::{IdKind, LocalId, ProcessSpec, Resources};
+use crate::defects::{Defect, Defects};
+use crate::domain::{IdKind, LocalId, ProcessSpec, Resources, new_local_id};
 use crate::store::Record;
 use crate::stream::EventLog;
 
-use super::files::SandboxFiles;
+use super::cgroup::{Cgroups, SandboxCgroup};
+use super::files::{SandboxFiles, normalize};
+use super::process::{self, Launch, ProcessHandle, kill_group};
 use super::{ProviderError, Signal};
+
+/// Grants are whole multiples of these.
+const CPU_STEP: f64 = 0.25;
+const MEMORY_STEP_MB: u64 = 64;
+/// How long destroy and shutdown wait for a killed process's exit to be recorded.
+const EXIT_RECORD_WAIT: Duration = Duration::from_secs(10);
 
 /// What this machine lets a provider enforce, detected at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -22,40 +42,154 @@ pub struct Isolation {
 
 /// One provider.
 pub struct LocalProvider {
-    // Fields are private to this module's implementation.
+    name: String,
+    capacity: Resources,
+    /// `<data_dir>/providers/<name>`.
+    base: PathBuf,
+    defects: Defects,
+    /// Where process output and exits go (and the store holding process records).
+    log: EventLog,
+    max_output_bytes: u64,
+    output_retention: Duration,
+    cgroups: Cgroups,
+    /// Test control: how long every create waits before it completes.
+    create_delay: Mutex<Duration>,
+    /// Test control: local IDs to hand out next, per kind.
+    next_ids: Mutex<Vec<(IdKind, LocalId)>>,
+    /// Sandboxes this server instance runs, by local ID. A sandbox whose directory exists
+    /// but that is not here (created before a restart) is adopted on first use.
+    sandboxes: Mutex<HashMap<String, Arc<Runtime>>>,
+    /// Every process started since its sandbox was created, by record ID, so that stdin and
+    /// signals find it and calls after its exit answer `ProcessExited`.
+    processes: Mutex<HashMap<String, Arc<ProcessHandle>>>,
+}
+
+/// The in-memory side of one sandbox.
+struct Runtime {
+    root: PathBuf,
+    cgroup: Option<SandboxCgroup>,
+    inner: Mutex<RuntimeInner>,
+}
+
+#[derive(Default)]
+struct RuntimeInner {
+    /// Processes whose group may still have members or whose exit is not yet recorded
+    /// (pruned once both are over).
+    processes: Vec<Tracked>,
+    /// Every process ever started in the sandbox, to forget them all when it is destroyed.
+    process_ids: Vec<String>,
+    /// Set when destroy starts: no process may start from then on.
+    destroyed: bool,
+}
+
+/// A process of a sandbox and whether its process group is known to be empty.
+struct Tracked {
+    handle: Arc<ProcessHandle>,
+    /// Once the group has no members its ID may be reused by an unrelated process, so it is
+    /// never signalled again.
+    group_gone: AtomicBool,
+}
+
+impl Tracked {
+    /// Signals the group unless it is known to be gone; notices when it is.
+    fn signal_group(&self, sig: libc::c_int) {
+        if self.group_gone.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(e) = kill_group(self.handle.pgid(), sig)
+            && e.raw_os_error() == Some(libc::ESRCH)
+        {
+            self.group_gone.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether this process still needs watching: it runs, its exit is not recorded yet, or
+    /// its group may still have members.
+    fn still_needed(&self) -> bool {
+        if !self.handle.is_done() {
+            return true;
+        }
+        self.signal_group(0);
+        !self.group_gone.load(Ordering::SeqCst)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl LocalProvider {
-    pub fn new(_config: &ProviderConfig, _server: &Config, _log: EventLog) -> std::io::Result<Self> {
-        todo!()
+    pub fn new(config: &ProviderConfig, server: &Config, log: EventLog) -> std::io::Result<Self> {
+        let cgroups = Cgroups::detect(&config.name);
+        Self::with_cgroups(config, server, log, cgroups)
+    }
+
+    fn with_cgroups(
+        config: &ProviderConfig,
+        server: &Config,
+        log: EventLog,
+        cgroups: Cgroups,
+    ) -> io::Result<Self> {
+        let base = server.data_dir.join("providers").join(&config.name);
+        std::fs::create_dir_all(base.join("sandboxes"))?;
+        std::fs::create_dir_all(base.join("snapshots"))?;
+        tracing::info!(
+            provider = %config.name,
+            cgroups = cgroups.enforces_limits(),
+            freezer = cgroups.has_freezer(),
+            "provider ready"
+        );
+        Ok(Self {
+            name: config.name.clone(),
+            capacity: config.capacity,
+            base,
+            defects: server.defects.clone(),
+            log,
+            max_output_bytes: server.limits.max_process_output_bytes,
+            output_retention: server.retention.process_output(),
+            cgroups,
+            create_delay: Mutex::new(Duration::ZERO),
+            next_ids: Mutex::new(Vec::new()),
+            sandboxes: Mutex::new(HashMap::new()),
+            processes: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn name(&self) -> &str {
-        todo!()
+        &self.name
     }
 
     pub fn capacity(&self) -> Resources {
-        todo!()
+        self.capacity
     }
 
     pub fn isolation(&self) -> Isolation {
-        todo!()
+        Isolation {
+            cgroups: self.cgroups.enforces_limits(),
+            freezer: self.cgroups.has_freezer(),
+        }
     }
 
     /// Test control: every create waits this long before it completes.
-    pub fn set_create_delay(&self, _delay: Duration) {
-        todo!()
+    pub fn set_create_delay(&self, delay: Duration) {
+        *lock(&self.create_delay) = delay;
     }
 
     /// Test control: the next local ID of `kind` this provider allocates (to force the same
     /// local ID in two providers).
-    pub fn set_next_local_id(&self, _kind: IdKind, _local: LocalId) {
-        todo!()
+    pub fn set_next_local_id(&self, kind: IdKind, local: LocalId) {
+        let mut next = lock(&self.next_ids);
+        next.retain(|(k, _)| *k != kind);
+        next.push((kind, local));
     }
 
     /// A fresh local ID (or the one a test control queued).
-    pub fn allocate_local_id(&self, _kind: IdKind) -> LocalId {
-        todo!()
+    pub fn allocate_local_id(&self, kind: IdKind) -> LocalId {
+        let mut next = lock(&self.next_ids);
+        match next.iter().position(|(k, _)| *k == kind) {
+            Some(i) => next.remove(i).1,
+            None => new_local_id(kind),
+        }
     }
 
     /// Creates the sandbox's root (a copy of the snapshot's files when `from_snapshot` is a
@@ -64,76 +198,500 @@ impl LocalProvider {
     /// the capacity.
     pub async fn create(
         &self,
-        _local: &str,
-        _requested: &Resources,
-        _from_snapshot: Option<&str>,
+        local: &str,
+        requested: &Resources,
+        from_snapshot: Option<&str>,
     ) -> Result<Resources, ProviderError> {
-        todo!()
+        if !self.capacity.covers(requested) {
+            return Err(ProviderError::Unsatisfiable(format!(
+                "requested cpu {} and memory_mb {}, but provider `{}` grants at most cpu {} and memory_mb {}",
+                requested.cpu,
+                requested.memory_mb,
+                self.name,
+                self.capacity.cpu,
+                self.capacity.memory_mb
+            )));
+        }
+        let delay = *lock(&self.create_delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let snapshot_root = match from_snapshot {
+            Some(snap) => {
+                let path = self.snapshot_dir(snap)?.join("root");
+                if !path.is_dir() {
+                    return Err(ProviderError::NotFound);
+                }
+                Some((snap.to_owned(), path))
+            }
+            None => None,
+        };
+        let dir = self.sandbox_dir(local)?;
+        // Claims the local ID on disk: an existing directory is someone else's sandbox.
+        std::fs::create_dir(&dir)?;
+        match self.populate(local, &dir, requested, snapshot_root).await {
+            Ok(granted) => Ok(granted),
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Fills a freshly claimed sandbox directory, sets its limits and registers it.
+    async fn populate(
+        &self,
+        local: &str,
+        dir: &Path,
+        requested: &Resources,
+        snapshot: Option<(String, PathBuf)>,
+    ) -> Result<Resources, ProviderError> {
+        let root = dir.join("root");
+        match snapshot {
+            Some((snap, source)) if self.defects.has(Defect::CloneSharesFiles) => {
+                // The bug: the clone's root is the source sandbox's root (or the snapshot's
+                // files when the source is gone), so writes leak both ways.
+                let source_sandbox = std::fs::read_to_string(source.with_file_name("source"))
+                    .ok()
+                    .and_then(|s| self.sandbox_dir(s.trim()).ok())
+                    .map(|d| d.join("root"))
+                    .filter(|p| p.is_dir());
+                let target = source_sandbox.unwrap_or(source);
+                tracing::debug!(snapshot = %snap, "clone shares its files");
+                std::os::unix::fs::symlink(target, &root)?;
+            }
+            Some((_, source)) => {
+                let root = root.clone();
+                tokio::task::spawn_blocking(move || copy_tree(&source, &root))
+                    .await
+                    .map_err(io::Error::other)??;
+            }
+            None => std::fs::create_dir(&root)?,
+        }
+
+        let grant = self.grant_for(requested);
+        let cgroup = self.cgroups.create(local, &grant)?;
+        let runtime = Arc::new(Runtime {
+            root,
+            cgroup,
+            inner: Mutex::default(),
+        });
+        let granted = match read_back(&runtime, dir, Some(&grant)) {
+            Ok(granted) => granted,
+            Err(e) => {
+                if let Some(cg) = &runtime.cgroup {
+                    cg.remove_now();
+                }
+                return Err(e.into());
+            }
+        };
+        // The grant file is written last and under the registry lock: a sandbox with a grant
+        // file but no runtime is one to adopt, and this one must not be adopted twice.
+        let mut sandboxes = lock(&self.sandboxes);
+        if let Err(e) = write_grant(dir, &granted) {
+            if let Some(cg) = &runtime.cgroup {
+                cg.remove_now();
+            }
+            return Err(e.into());
+        }
+        sandboxes.insert(local.to_owned(), runtime);
+        Ok(granted)
+    }
+
+    /// The request rounded up to whole steps, never above the capacity (which covers it).
+    fn grant_for(&self, requested: &Resources) -> Resources {
+        let steps = (requested.cpu / CPU_STEP - 1e-9).ceil().max(1.0);
+        let cpu = (steps * CPU_STEP).min(self.capacity.cpu.max(CPU_STEP));
+        let mut memory_mb = requested.memory_mb.div_ceil(MEMORY_STEP_MB).max(1) * MEMORY_STEP_MB;
+        memory_mb = memory_mb.min(self.capacity.memory_mb.max(MEMORY_STEP_MB));
+        if self.defects.has(Defect::UndersizedGrant) {
+            memory_mb = (requested.memory_mb / 2).max(1);
+        }
+        Resources { cpu, memory_mb }
     }
 
     /// The resources the platform grants the sandbox right now.
-    pub async fn read_resources(&self, _local: &str) -> Result<Resources, ProviderError> {
-        todo!()
+    pub async fn read_resources(&self, local: &str) -> Result<Resources, ProviderError> {
+        let runtime = self.runtime(local)?;
+        let dir = self.sandbox_dir(local)?;
+        Ok(read_back(&runtime, &dir, None)?)
     }
 
     /// Ends every process of the sandbox and removes its root and limits. Idempotent.
-    pub async fn destroy(&self, _local: &str) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn destroy(&self, local: &str) -> Result<(), ProviderError> {
+        let dir = self.sandbox_dir(local)?;
+        let runtime = lock(&self.sandboxes).get(local).cloned();
+        if let Some(runtime) = &runtime {
+            self.end_processes(runtime).await;
+            if let Some(cg) = &runtime.cgroup {
+                cg.remove().await?;
+            }
+        }
+        match tokio::fs::remove_dir_all(&dir).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
+        }
+        if let Some(runtime) = runtime {
+            lock(&self.sandboxes).remove(local);
+            let ids = std::mem::take(&mut lock(&runtime.inner).process_ids);
+            let mut processes = lock(&self.processes);
+            for id in ids {
+                processes.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process of the sandbox and waits until each exit is recorded. New
+    /// processes are refused from here on.
+    async fn end_processes(&self, runtime: &Runtime) {
+        let handles: Vec<Arc<ProcessHandle>> = {
+            let mut inner = lock(&runtime.inner);
+            inner.destroyed = true;
+            for tracked in &inner.processes {
+                tracked.signal_group(libc::SIGKILL);
+            }
+            inner.processes.iter().map(|t| t.handle.clone()).collect()
+        };
+        if let Some(cg) = &runtime.cgroup {
+            // Also whatever left its process group (setsid) but not its cgroup.
+            cg.kill_all().await;
+        }
+        for handle in handles {
+            if !handle.wait_done(EXIT_RECORD_WAIT).await {
+                tracing::warn!(process = %handle.id(), "exit not recorded in time");
+            }
+        }
     }
 
     /// Stops every process of the sandbox, keeping memory and files.
-    pub async fn pause(&self, _local: &str) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn pause(&self, local: &str) -> Result<(), ProviderError> {
+        let runtime = self.runtime(local)?;
+        if self.defects.has(Defect::PauseNoop) {
+            return Ok(());
+        }
+        if let Some(cg) = &runtime.cgroup
+            && cg.freeze().await?
+        {
+            return Ok(());
+        }
+        signal_all(&runtime, libc::SIGSTOP);
+        Ok(())
     }
 
     /// Continues every process stopped by `pause`.
-    pub async fn resume(&self, _local: &str) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn resume(&self, local: &str) -> Result<(), ProviderError> {
+        let runtime = self.runtime(local)?;
+        if let Some(cg) = &runtime.cgroup
+            && cg.thaw().await?
+        {
+            return Ok(());
+        }
+        signal_all(&runtime, libc::SIGCONT);
+        Ok(())
     }
 
     /// Copies the sandbox's files into a snapshot.
-    pub async fn snapshot(&self, _sandbox_local: &str, _snapshot_local: &str) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn snapshot(
+        &self,
+        sandbox_local: &str,
+        snapshot_local: &str,
+    ) -> Result<(), ProviderError> {
+        let root = self.sandbox_dir(sandbox_local)?.join("root");
+        if !root.is_dir() {
+            return Err(ProviderError::NotFound);
+        }
+        let target = self.snapshot_dir(snapshot_local)?;
+        let staging = self
+            .base
+            .join("snapshots")
+            .join(format!(".staging-{snapshot_local}"));
+        let source = sandbox_local.to_owned();
+        let result = tokio::task::spawn_blocking(move || -> io::Result<()> {
+            match std::fs::remove_dir_all(&staging) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+            std::fs::create_dir(&staging)?;
+            let copied = copy_tree(&root, &staging.join("root"))
+                .and_then(|()| std::fs::write(staging.join("source"), source))
+                .and_then(|()| {
+                    if target.exists() {
+                        return Err(io::Error::from(io::ErrorKind::AlreadyExists));
+                    }
+                    // A snapshot appears whole or not at all.
+                    std::fs::rename(&staging, &target)
+                });
+            if copied.is_err() {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            copied
+        })
+        .await
+        .map_err(io::Error::other)?;
+        Ok(result?)
     }
 
-    pub async fn delete_snapshot(&self, _snapshot_local: &str) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn delete_snapshot(&self, snapshot_local: &str) -> Result<(), ProviderError> {
+        match tokio::fs::remove_dir_all(self.snapshot_dir(snapshot_local)?).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Starts a process described by `record` (a stored [`crate::domain::Process`], already
     /// inserted). Output goes to the process's event log; on exit (or timeout, or signal)
     /// the provider updates the record (state, exit code, signal, `ended_at`,
     /// `output_expires_at`, `due_at`) and appends the `exit` event.
+    ///
+    /// The event log is `process_stream(&record.id)`; the record's body also gets
+    /// `"truncated": true` once output beyond `limits.max_process_output_bytes` is dropped.
     pub async fn spawn(
         &self,
-        _sandbox_local: &str,
-        _record: Record,
-        _spec: &ProcessSpec,
-        _sandbox_env: &BTreeMap<String, String>,
+        sandbox_local: &str,
+        record: Record,
+        spec: &ProcessSpec,
+        sandbox_env: &BTreeMap<String, String>,
     ) -> Result<(), ProviderError> {
-        todo!()
+        let runtime = self.runtime(sandbox_local)?;
+        let cwd = resolve_cwd(&runtime.root, spec.cwd.as_deref())?;
+        let launch = Launch {
+            home: std::fs::canonicalize(&runtime.root)?,
+            cwd,
+            cgroup_procs: runtime
+                .cgroup
+                .as_ref()
+                .map(|cg| cg.procs_files())
+                .unwrap_or_default(),
+            log: self.log.clone(),
+            max_output_bytes: self.max_output_bytes,
+            output_retention: self.output_retention,
+        };
+        let handle = {
+            let mut inner = lock(&runtime.inner);
+            if inner.destroyed {
+                return Err(ProviderError::NotFound);
+            }
+            inner.processes.retain(Tracked::still_needed);
+            // Started under the lock so that a concurrent destroy either sees it or refuses it.
+            let handle = process::spawn(launch, &record, spec, sandbox_env)?;
+            inner.processes.push(Tracked {
+                handle: handle.clone(),
+                group_gone: AtomicBool::new(false),
+            });
+            inner.process_ids.push(record.id.clone());
+            handle
+        };
+        lock(&self.processes).insert(record.id.clone(), handle);
+        Ok(())
     }
 
-    pub async fn write_stdin(&self, _process_id: &str, _data: &[u8], _eof: bool) -> Result<(), ProviderError> {
-        todo!()
+    pub async fn write_stdin(
+        &self,
+        process_id: &str,
+        data: &[u8],
+        eof: bool,
+    ) -> Result<(), ProviderError> {
+        self.process(process_id)?.write_stdin(data, eof).await
     }
 
-    pub fn signal(&self, _process_id: &str, _signal: Signal) -> Result<(), ProviderError> {
-        todo!()
+    pub fn signal(&self, process_id: &str, signal: Signal) -> Result<(), ProviderError> {
+        let sig = match signal {
+            Signal::Term => libc::SIGTERM,
+            Signal::Kill => libc::SIGKILL,
+            Signal::Int => libc::SIGINT,
+        };
+        self.process(process_id)?.signal(sig)
     }
 
     /// Files of one sandbox, confined to its root.
-    pub fn files(&self, _local: &str) -> Result<SandboxFiles, ProviderError> {
-        todo!()
+    pub fn files(&self, local: &str) -> Result<SandboxFiles, ProviderError> {
+        let root = self.sandbox_dir(local)?.join("root");
+        SandboxFiles::open(&root, self.defects.has(Defect::SymlinkEscape)).map_err(|e| {
+            match e.kind() {
+                io::ErrorKind::NotFound => ProviderError::NotFound,
+                _ => ProviderError::Io(e),
+            }
+        })
     }
 
     /// Whether the sandbox's root exists on disk (used by absence checks and digests).
-    pub fn exists(&self, _local: &str) -> bool {
-        todo!()
+    pub fn exists(&self, local: &str) -> bool {
+        self.sandbox_dir(local)
+            .is_ok_and(|d| d.join("root").symlink_metadata().is_ok())
     }
 
     /// Ends every process (server shutdown).
     pub async fn shutdown(&self) {
-        todo!()
+        let runtimes: Vec<Arc<Runtime>> = lock(&self.sandboxes).drain().map(|(_, r)| r).collect();
+        for runtime in runtimes {
+            self.end_processes(&runtime).await;
+            if let Some(cg) = &runtime.cgroup
+                && let Err(e) = cg.remove().await
+            {
+                tracing::warn!(error = %e, "could not remove a sandbox cgroup");
+            }
+        }
+        lock(&self.processes).clear();
+        self.cgroups.remove_provider_dirs();
+    }
+
+    /// The in-memory side of a sandbox, adopting one created before a restart.
+    fn runtime(&self, local: &str) -> Result<Arc<Runtime>, ProviderError> {
+        let dir = self.sandbox_dir(local)?;
+        let mut sandboxes = lock(&self.sandboxes);
+        if let Some(runtime) = sandboxes.get(local) {
+            if lock(&runtime.inner).destroyed {
+                return Err(ProviderError::NotFound);
+            }
+            return Ok(runtime.clone());
+        }
+        let grant = read_grant(&dir).map_err(|_| ProviderError::NotFound)?;
+        let cgroup = self.cgroups.create(local, &grant)?;
+        let runtime = Arc::new(Runtime {
+            root: dir.join("root"),
+            cgroup,
+            inner: Mutex::default(),
+        });
+        sandboxes.insert(local.to_owned(), runtime.clone());
+        Ok(runtime)
+    }
+
+    /// The handle of a process by record ID (`<provider>:prc_...`, or the bare local ID).
+    fn process(&self, process_id: &str) -> Result<Arc<ProcessHandle>, ProviderError> {
+        let processes = lock(&self.processes);
+        processes
+            .get(process_id)
+            .or_else(|| processes.get(&format!("{}:{process_id}", self.name)))
+            .cloned()
+            .ok_or(ProviderError::NotFound)
+    }
+
+    fn sandbox_dir(&self, local: &str) -> Result<PathBuf, ProviderError> {
+        Ok(self.base.join("sandboxes").join(checked_local(local)?))
+    }
+
+    fn snapshot_dir(&self, local: &str) -> Result<PathBuf, ProviderError> {
+        Ok(self.base.join("snapshots").join(checked_local(local)?))
     }
 }
+
+impl Drop for LocalProvider {
+    /// A provider dropped without `shutdown` (a test that panicked) still leaves no process
+    /// and no cgroup behind.
+    fn drop(&mut self) {
+        let runtimes: Vec<Arc<Runtime>> = lock(&self.sandboxes).drain().map(|(_, r)| r).collect();
+        for runtime in runtimes {
+            for tracked in &lock(&runtime.inner).processes {
+                tracked.signal_group(libc::SIGKILL);
+            }
+            if let Some(cg) = &runtime.cgroup {
+                cg.remove_now();
+            }
+        }
+        self.cgroups.remove_provider_dirs();
+    }
+}
+
+/// A local ID used as a directory name: one plain path component.
+fn checked_local(local: &str) -> Result<&str, ProviderError> {
+    let plain = !local.is_empty()
+        && local != "."
+        && local != ".."
+        && !local.starts_with('.')
+        && local
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if plain {
+        Ok(local)
+    } else {
+        Err(ProviderError::NotFound)
+    }
+}
+
+/// Signals every process group of the sandbox that may still have members.
+fn signal_all(runtime: &Runtime, sig: libc::c_int) {
+    let inner = lock(&runtime.inner);
+    for tracked in &inner.processes {
+        tracked.signal_group(sig);
+    }
+}
+
+/// The grant as the platform holds it: the cgroup limits, else the grant file (or the
+/// grant just computed, during create).
+fn read_back(runtime: &Runtime, dir: &Path, fresh: Option<&Resources>) -> io::Result<Resources> {
+    if let Some(cg) = &runtime.cgroup
+        && let Some(resources) = cg.read_resources()?
+    {
+        return Ok(resources);
+    }
+    match fresh {
+        Some(grant) => Ok(*grant),
+        None => read_grant(dir),
+    }
+}
+
+fn write_grant(dir: &Path, grant: &Resources) -> io::Result<()> {
+    let text = serde_json::to_vec(grant).map_err(io::Error::other)?;
+    let tmp = dir.join("grant.json.tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(tmp, dir.join("grant.json"))
+}
+
+fn read_grant(dir: &Path) -> io::Result<Resources> {
+    let text = std::fs::read(dir.join("grant.json"))?;
+    serde_json::from_slice(&text).map_err(io::Error::other)
+}
+
+/// The working directory of a process: inside the root after resolving symlinks.
+fn resolve_cwd(root: &Path, cwd: Option<&str>) -> Result<PathBuf, ProviderError> {
+    let rel = normalize(cwd.unwrap_or("")).map_err(|_| ProviderError::InvalidPath)?;
+    let root = std::fs::canonicalize(root).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => ProviderError::NotFound,
+        _ => ProviderError::Io(e),
+    })?;
+    let full = std::fs::canonicalize(root.join(&rel)).map_err(|_| ProviderError::InvalidPath)?;
+    if !full.starts_with(&root) || !full.is_dir() {
+        return Err(ProviderError::InvalidPath);
+    }
+    Ok(full)
+}
+
+/// Copies a directory tree: files, directories and symlinks (as links); a real copy, so the
+/// two trees are independent. Sockets, FIFOs and devices are not carried over, and entries
+/// that vanish while copying (a running sandbox) are skipped.
+fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
+    std::fs::create_dir(dst)?;
+    for entry in std::fs::read_dir(src)? {
+        let entry = entry?;
+        let from = entry.path();
+        let to = dst.join(entry.file_name());
+        let meta = match std::fs::symlink_metadata(&from) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let kind = meta.file_type();
+        let copied = if kind.is_symlink() {
+            std::fs::read_link(&from).and_then(|target| std::os::unix::fs::symlink(target, &to))
+        } else if kind.is_dir() {
+            copy_tree(&from, &to).and_then(|()| std::fs::set_permissions(&to, meta.permissions()))
+        } else if kind.is_file() {
+            std::fs::copy(&from, &to).map(drop)
+        } else {
+            Ok(())
+        };
+        match copied {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    std::fs::set_permissions(dst, std::fs::metadata(src)?.permissions())
+}
+
+#[cfg(test)]
+mod tests;

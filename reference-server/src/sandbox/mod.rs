@@ -5,6 +5,7 @@
 //! Architecture invariant: nothing here knows HTTP. The API resolves IDs and ownership
 //! through the store first, then calls a provider with local IDs.
 
+mod cgroup;
 mod files;
 mod local;
 mod process;

@@ -1,1 +1,602 @@
 //! Process groups inside a sandbox: spawn, output capture into the event log, stdin, signals, timeouts.
+//!
+//! Every process leads its own process group, so a signal or a timeout reaches everything it
+//! started. Its output is appended to the process's durable event log as it arrives, and the
+//! `exit` event is appended only after the last output event: a reader that sees `exit` has
+//! seen everything.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io;
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::watch;
+
+use crate::domain::{ProcessSpec, ProcessState, now};
+use crate::store::{Record, Scope, StoreError};
+use crate::stream::{EventLog, process_stream};
+
+use super::ProviderError;
+
+/// `PATH` of every sandbox process unless the sandbox or the process sets its own.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// Bytes read from a pipe at once; one read becomes at most one event.
+const READ_CHUNK: usize = 64 * 1024;
+/// After the process itself exits, how long its output pipes may stay open (held by
+/// something it left running in the background) before the exit is recorded without them.
+const OUTPUT_DRAIN_GRACE: Duration = Duration::from_secs(1);
+/// Attempts at a compare-and-swap update of the process record before giving up.
+const CAS_ATTEMPTS: usize = 50;
+
+/// What a process needs from its provider and sandbox.
+pub(super) struct Launch {
+    pub(super) cwd: PathBuf,
+    /// `HOME` of the process: the sandbox root.
+    pub(super) home: PathBuf,
+    /// `cgroup.procs` files the child writes itself into before it execs.
+    pub(super) cgroup_procs: Vec<CString>,
+    pub(super) log: EventLog,
+    pub(super) max_output_bytes: u64,
+    pub(super) output_retention: Duration,
+}
+
+/// A live (or recently ended) process, kept in memory by its provider.
+pub(super) struct ProcessHandle {
+    /// The record ID (`<provider>:prc_...`), also the key of its event log.
+    id: String,
+    /// The process's PID, which is also its process group ID.
+    pgid: i32,
+    /// `None` when started without `stdin: true`; the inner `None` once closed.
+    stdin: Option<tokio::sync::Mutex<Option<ChildStdin>>>,
+    /// Set as soon as the process has been reaped.
+    exited: AtomicBool,
+    /// Becomes true once the exit has been recorded and the `exit` event appended.
+    done: watch::Receiver<bool>,
+}
+
+impl ProcessHandle {
+    pub(super) fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub(super) fn pgid(&self) -> i32 {
+        self.pgid
+    }
+
+    pub(super) fn has_exited(&self) -> bool {
+        self.exited.load(Ordering::SeqCst)
+    }
+
+    /// Whether the exit has been recorded (the record updated and the `exit` event appended).
+    pub(super) fn is_done(&self) -> bool {
+        *self.done.borrow()
+    }
+
+    pub(super) async fn write_stdin(&self, data: &[u8], eof: bool) -> Result<(), ProviderError> {
+        let Some(stdin) = &self.stdin else {
+            return Err(ProviderError::NoStdin);
+        };
+        if self.has_exited() {
+            return Err(ProviderError::ProcessExited);
+        }
+        let mut guard = stdin.lock().await;
+        let Some(pipe) = guard.as_mut() else {
+            // Closed earlier by `eof`, or by the exit that raced with this call.
+            return Err(if self.has_exited() {
+                ProviderError::ProcessExited
+            } else {
+                ProviderError::NoStdin
+            });
+        };
+        let written = async {
+            pipe.write_all(data).await?;
+            pipe.flush().await
+        }
+        .await;
+        match written {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                return Err(ProviderError::ProcessExited);
+            }
+            Err(e) => return Err(ProviderError::Io(e)),
+        }
+        if eof {
+            guard.take();
+        }
+        Ok(())
+    }
+
+    /// Sends `sig` to the whole process group.
+    pub(super) fn signal(&self, sig: libc::c_int) -> Result<(), ProviderError> {
+        if self.has_exited() {
+            return Err(ProviderError::ProcessExited);
+        }
+        match kill_group(self.pgid, sig) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Err(ProviderError::ProcessExited),
+            Err(e) => Err(ProviderError::Io(e)),
+        }
+    }
+
+    /// Waits until the exit is recorded; false when `limit` passed first.
+    pub(super) async fn wait_done(&self, limit: Duration) -> bool {
+        let mut done = self.done.clone();
+        tokio::time::timeout(limit, done.wait_for(|d| *d))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
+/// `killpg(pgid, sig)`.
+pub(super) fn kill_group(pgid: i32, sig: libc::c_int) -> io::Result<()> {
+    if pgid <= 1 {
+        // Never signal "every process" or init by accident.
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+    if unsafe { libc::kill(-pgid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Starts the process of `record` and the task that captures its output and records its end.
+pub(super) fn spawn(
+    launch: Launch,
+    record: &Record,
+    spec: &ProcessSpec,
+    sandbox_env: &BTreeMap<String, String>,
+) -> Result<Arc<ProcessHandle>, ProviderError> {
+    let (program, args) = spec.cmd.split_first().ok_or_else(|| {
+        ProviderError::Io(io::Error::new(io::ErrorKind::InvalidInput, "empty command"))
+    })?;
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("PATH".into(), DEFAULT_PATH.into());
+    env.insert("HOME".into(), launch.home.to_string_lossy().into_owned());
+    env.extend(sandbox_env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .current_dir(&launch.cwd)
+        .env_clear()
+        .envs(&env)
+        .stdin(if spec.stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let procs = launch.cgroup_procs;
+    if !procs.is_empty() {
+        // SAFETY: the closure runs in the child between fork and exec, and only makes
+        // async-signal-safe calls (open, write, close) on paths allocated before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                for path in &procs {
+                    join_cgroup(path)?;
+                }
+                Ok(())
+            });
+        }
+    }
+    let capture = Arc::new(Capture {
+        log: launch.log,
+        stream: process_stream(&record.id),
+        record: record.clone(),
+        remaining: AtomicU64::new(launch.max_output_bytes),
+        truncated: AtomicBool::new(false),
+        retention: launch.output_retention,
+    });
+    let (done_tx, done_rx) = watch::channel(false);
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let code = match e.kind() {
+                io::ErrorKind::NotFound => 127,
+                io::ErrorKind::PermissionDenied => 126,
+                _ => return Err(ProviderError::Io(e)),
+            };
+            return Ok(never_started(
+                record, spec, program, &e, code, capture, done_tx, done_rx,
+            ));
+        }
+    };
+    let pgid = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .ok_or_else(|| io::Error::other("no pid"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| io::Error::other("stdout not piped"))?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| io::Error::other("stderr not piped"))?;
+    let stdin = child.stdin.take().map(|s| tokio::sync::Mutex::new(Some(s)));
+
+    let handle = Arc::new(ProcessHandle {
+        id: record.id.clone(),
+        pgid,
+        stdin,
+        exited: AtomicBool::new(false),
+        done: done_rx,
+    });
+    let timeout = spec.timeout_ms.map(Duration::from_millis);
+    let supervisor = Supervisor {
+        handle: handle.clone(),
+        capture,
+        timeout,
+    };
+    tokio::spawn(async move {
+        supervisor.run(child, stdout, stderr).await;
+        let _ = done_tx.send(true);
+    });
+    Ok(handle)
+}
+
+/// A program that cannot be run (missing, not executable) ends like it does in a shell: the
+/// reason on stderr and exit code 127 or 126, recorded as for any other process.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the parts of `spawn` that a failed start still needs"
+)]
+fn never_started(
+    record: &Record,
+    spec: &ProcessSpec,
+    program: &str,
+    error: &io::Error,
+    code: i32,
+    capture: Arc<Capture>,
+    done_tx: watch::Sender<bool>,
+    done_rx: watch::Receiver<bool>,
+) -> Arc<ProcessHandle> {
+    let handle = Arc::new(ProcessHandle {
+        id: record.id.clone(),
+        pgid: 0,
+        // Present but closed: stdin calls answer `ProcessExited`, as after any exit.
+        stdin: spec.stdin.then(|| tokio::sync::Mutex::new(None)),
+        exited: AtomicBool::new(true),
+        done: done_rx,
+    });
+    let message = format!("cannot run `{program}`: {error}\n");
+    tokio::spawn(async move {
+        capture.append("stderr", message).await;
+        record_exit(&capture, ProcessState::Exited, Some(code), None).await;
+        let _ = done_tx.send(true);
+    });
+    handle
+}
+
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `path` (`0` = itself).
+fn join_cgroup(path: &CString) -> io::Result<()> {
+    // SAFETY: plain syscalls on a NUL-terminated path and a static buffer.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if n == 1 { Ok(()) } else { Err(err) }
+    }
+}
+
+/// Output capture of one process, shared by its stdout and stderr readers.
+struct Capture {
+    log: EventLog,
+    stream: String,
+    /// The record as inserted; the latest version is fetched again for every update.
+    record: Record,
+    /// Output bytes that may still be retained (stdout and stderr together).
+    remaining: AtomicU64,
+    truncated: AtomicBool,
+    /// How long output stays readable after the end (`output_expires_at - ended_at`).
+    retention: Duration,
+}
+
+impl Capture {
+    /// How much of `n` new bytes may be kept; marks the process truncated when not all.
+    async fn admit(&self, n: usize) -> usize {
+        let n = n as u64;
+        let mut granted = 0;
+        let _ = self
+            .remaining
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |rem| {
+                granted = rem.min(n);
+                Some(rem - granted)
+            });
+        if granted < n && !self.truncated.swap(true, Ordering::SeqCst) {
+            // Readers of the output see `truncated` while the process still runs.
+            let result = update_record(&self.log, &self.record, |rec| {
+                if let Some(body) = rec.body.as_object_mut() {
+                    body.insert("truncated".into(), Value::Bool(true));
+                }
+            })
+            .await;
+            if let Err(e) = result {
+                tracing::warn!(process = %self.record.id, error = %e, "could not mark output truncated");
+            }
+        }
+        granted as usize
+    }
+
+    async fn append(&self, kind: &str, text: String) {
+        if text.is_empty() {
+            return;
+        }
+        if let Err(e) = self
+            .log
+            .append(&self.stream, kind, &json!({ "data": text }))
+            .await
+        {
+            tracing::warn!(process = %self.record.id, error = %e, "could not append output");
+        }
+    }
+}
+
+struct Supervisor {
+    handle: Arc<ProcessHandle>,
+    capture: Arc<Capture>,
+    timeout: Option<Duration>,
+}
+
+impl Supervisor {
+    async fn run(
+        self,
+        mut child: Child,
+        stdout: tokio::process::ChildStdout,
+        stderr: tokio::process::ChildStderr,
+    ) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let out = tokio::spawn(pump(
+            stdout,
+            "stdout",
+            self.capture.clone(),
+            stop_rx.clone(),
+        ));
+        let err = tokio::spawn(pump(stderr, "stderr", self.capture.clone(), stop_rx));
+
+        let status = self.wait(&mut child).await;
+        self.handle.exited.store(true, Ordering::SeqCst);
+        if let Some(stdin) = &self.handle.stdin {
+            stdin.lock().await.take();
+        }
+
+        // Output first, then the exit: wait for both pipes to reach EOF, but not forever.
+        let readers = async {
+            let _ = out.await;
+            let _ = err.await;
+        };
+        tokio::pin!(readers);
+        if tokio::time::timeout(OUTPUT_DRAIN_GRACE, &mut readers)
+            .await
+            .is_err()
+        {
+            let _ = stop_tx.send(true);
+            readers.await;
+        }
+
+        let (state, exit_code, signal) = match &status {
+            Ok(status) => describe(status),
+            Err(e) => {
+                tracing::warn!(process = %self.handle.id, error = %e, "waiting for the process failed");
+                (ProcessState::Killed, None, Some("KILL".to_owned()))
+            }
+        };
+        record_exit(&self.capture, state, exit_code, signal).await;
+    }
+
+    /// Waits for the process; past its timeout the whole group is killed first.
+    async fn wait(&self, child: &mut Child) -> io::Result<ExitStatus> {
+        let Some(limit) = self.timeout else {
+            return child.wait().await;
+        };
+        // `Child::wait` is cancel safe, so it can be raced against the deadline and resumed.
+        match tokio::time::timeout(limit, child.wait()).await {
+            Ok(status) => status,
+            Err(_) => {
+                let _ = kill_group(self.handle.pgid, libc::SIGKILL);
+                child.wait().await
+            }
+        }
+    }
+}
+
+/// Records the end of a process: the record first (state, exit code, signal, `ended_at`,
+/// `output_expires_at` and `due_at` for the reaper), then the `exit` event, which is the
+/// last event of the process's log.
+async fn record_exit(
+    capture: &Capture,
+    state: ProcessState,
+    exit_code: Option<i32>,
+    signal: Option<String>,
+) {
+    let ended_at = now();
+    let expires_at = ended_at + capture.retention;
+    let truncated = capture.truncated.load(Ordering::SeqCst);
+    let result = update_record(&capture.log, &capture.record, |rec| {
+        rec.state = state.as_str().to_owned();
+        rec.due_at = Some(expires_at);
+        if let Some(body) = rec.body.as_object_mut() {
+            body.insert("state".into(), json!(state.as_str()));
+            body.insert("exit_code".into(), json!(exit_code));
+            body.insert("signal".into(), json!(signal));
+            body.insert("ended_at".into(), json!(rfc3339(ended_at)));
+            body.insert("output_expires_at".into(), json!(rfc3339(expires_at)));
+            if truncated {
+                body.insert("truncated".into(), Value::Bool(true));
+            }
+        }
+    })
+    .await;
+    if let Err(e) = result {
+        tracing::warn!(process = %capture.record.id, error = %e, "could not record the exit");
+    }
+    let exit = json!({ "state": state.as_str(), "exit_code": exit_code, "signal": signal });
+    if let Err(e) = capture.log.append(&capture.stream, "exit", &exit).await {
+        tracing::warn!(process = %capture.record.id, error = %e, "could not append the exit event");
+    }
+}
+
+/// Reads one pipe to its end (or until told to stop), appending each chunk as an event.
+async fn pump(
+    mut pipe: impl AsyncRead + Unpin,
+    kind: &'static str,
+    capture: Arc<Capture>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; READ_CHUNK];
+    // Bytes of a UTF-8 sequence split across reads, kept for the next chunk.
+    let mut carry: Vec<u8> = Vec::new();
+    loop {
+        let n = tokio::select! {
+            read = pipe.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let kept = capture.admit(n).await;
+        if kept == 0 {
+            // Over the cap: keep draining so the process is never blocked on a full pipe.
+            continue;
+        }
+        carry.extend_from_slice(&buf[..kept]);
+        let complete = complete_utf8_prefix(&carry);
+        let rest = carry.split_off(complete);
+        let text = String::from_utf8_lossy(&carry).into_owned();
+        carry = rest;
+        capture.append(kind, text).await;
+    }
+    if !carry.is_empty() {
+        capture
+            .append(kind, String::from_utf8_lossy(&carry).into_owned())
+            .await;
+    }
+}
+
+/// The length of `buf` without a trailing, still incomplete UTF-8 sequence.
+fn complete_utf8_prefix(buf: &[u8]) -> usize {
+    let start = buf.len().saturating_sub(3);
+    for i in (start..buf.len()).rev() {
+        let b = buf[i];
+        if b & 0xC0 == 0x80 {
+            continue; // a continuation byte: look further back for the lead byte
+        }
+        let needed = match b {
+            0xF0..=0xF7 => 4,
+            0xE0..=0xEF => 3,
+            0xC0..=0xDF => 2,
+            _ => 1,
+        };
+        return if buf.len() - i < needed { i } else { buf.len() };
+    }
+    buf.len()
+}
+
+/// State, exit code and signal name of an ended process.
+fn describe(status: &ExitStatus) -> (ProcessState, Option<i32>, Option<String>) {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => (ProcessState::Exited, Some(code), None),
+        (None, Some(sig)) => (ProcessState::Killed, None, Some(signal_name(sig))),
+        (None, None) => (ProcessState::Exited, None, None),
+    }
+}
+
+/// `TERM`, `KILL`, ... (the name without `SIG`); unknown numbers as `SIG<n>`.
+pub(super) fn signal_name(sig: libc::c_int) -> String {
+    let name = match sig {
+        libc::SIGHUP => "HUP",
+        libc::SIGINT => "INT",
+        libc::SIGQUIT => "QUIT",
+        libc::SIGILL => "ILL",
+        libc::SIGTRAP => "TRAP",
+        libc::SIGABRT => "ABRT",
+        libc::SIGBUS => "BUS",
+        libc::SIGFPE => "FPE",
+        libc::SIGKILL => "KILL",
+        libc::SIGUSR1 => "USR1",
+        libc::SIGSEGV => "SEGV",
+        libc::SIGUSR2 => "USR2",
+        libc::SIGPIPE => "PIPE",
+        libc::SIGALRM => "ALRM",
+        libc::SIGTERM => "TERM",
+        libc::SIGXCPU => "XCPU",
+        libc::SIGXFSZ => "XFSZ",
+        libc::SIGSYS => "SYS",
+        other => return format!("SIG{other}"),
+    };
+    name.to_owned()
+}
+
+fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&Rfc3339).unwrap_or_default()
+}
+
+/// Applies `change` to the latest stored version of `record`, retrying on version conflicts.
+/// A record that is gone (its sandbox was deleted) is not an error.
+async fn update_record(
+    log: &EventLog,
+    record: &Record,
+    change: impl Fn(&mut Record),
+) -> Result<(), StoreError> {
+    let store = log.store();
+    for _ in 0..CAS_ATTEMPTS {
+        let Some(mut rec) = store.get(record.kind, Scope::System, &record.id).await? else {
+            return Ok(());
+        };
+        change(&mut rec);
+        match store.update(&rec).await {
+            Ok(_) | Err(StoreError::NotFound) => return Ok(()),
+            Err(StoreError::Conflict) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::Conflict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_prefix_keeps_split_sequences_back() {
+        let euro = "€".as_bytes(); // 3 bytes
+        let cases: &[(&[u8], usize)] = &[
+            (b"abc", 3),
+            (&[b'a', euro[0]], 1),
+            (&[b'a', euro[0], euro[1]], 1),
+            (&[b'a', euro[0], euro[1], euro[2]], 4),
+            (&[0xF0, 0x9F, 0x98], 0),
+            (&[0xFF], 1),
+            (b"", 0),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(complete_utf8_prefix(input), *expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn signal_names() {
+        assert_eq!(signal_name(libc::SIGTERM), "TERM");
+        assert_eq!(signal_name(libc::SIGKILL), "KILL");
+        assert_eq!(signal_name(libc::SIGINT), "INT");
+        assert_eq!(signal_name(64), "SIG64");
+    }
+}
