@@ -1,3 +1,25 @@
 //! HTTP handlers, wire types, and the one mapping from errors to problem bodies.
 //!
-//! Architecture invariant: only this module knows status codes and JSON wire shapes.
+//! Architecture invariant: only this module knows status codes and JSON wire shapes, and
+//! every store lookup made for a client passes the client's principal as the owner.
+
+mod error;
+mod extract;
+mod files;
+mod idempotency;
+mod lookup;
+mod meta;
+mod pagination;
+mod previews;
+mod processes;
+mod request_id;
+mod routes;
+mod sandboxes;
+mod snapshots;
+mod state;
+
+pub use error::{ApiError, Problem};
+pub use request_id::RequestId;
+pub use routes::router;
+pub use sandboxes::{destroy as destroy_sandbox, pause_sandbox};
+pub use state::{AppState, Inner};

@@ -1,1 +1,535 @@
-//! SSE responses over durable logs (§7).
+//! SSE responses over durable logs (§7): resumable, heartbeated, bounded in time, and capped
+//! per principal.
+//!
+//! The body is pull-based: it reads the next batch from the store only when the connection
+//! has written the previous one, so a slow client holds at most one batch in memory and the
+//! durable log is its buffer. Only when retention purges events the client has not read yet
+//! does the stream end with `stream.end {reason: "lagging"}`, so nothing is ever skipped
+//! silently. Framing is written by hand so the exact bytes are under our control.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Event, Store, StoreError};
+
+use super::EventLog;
+
+/// Events read from the store per batch (and so at most buffered per stream).
+const BATCH: u32 = 256;
+/// How often an idle stream re-reads the store even without a wake-up, so that appends by
+/// another server process sharing the database are seen.
+const POLL: Duration = Duration::from_secs(1);
+
+/// Why a stream could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SseError {
+    #[error("the request does not accept text/event-stream")]
+    NotAcceptable,
+    #[error("the cursor is not a sequence number")]
+    BadCursor,
+    #[error("the cursor is older than the stream's retention")]
+    CursorExpired,
+    #[error("too many concurrent streams")]
+    TooManyStreams { retry_after_s: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Per-principal counts of open streams. A slot is held by a [`StreamSlot`] that lives in the
+/// response body, so it is released the moment the connection drops the body.
+#[derive(Debug, Default)]
+pub struct StreamSlots {
+    open: Mutex<HashMap<String, u32>>,
+}
+
+impl StreamSlots {
+    /// A slot for `principal`, or `None` when it already holds `limit` streams.
+    pub fn try_acquire(self: &Arc<Self>, principal: &str, limit: u32) -> Option<StreamSlot> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(principal.to_owned()).or_insert(0);
+        if *count >= limit {
+            return None;
+        }
+        *count += 1;
+        Some(StreamSlot {
+            slots: Arc::clone(self),
+            principal: principal.to_owned(),
+        })
+    }
+
+    /// How many streams `principal` holds now.
+    pub fn open(&self, principal: &str) -> u32 {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.get(principal).copied().unwrap_or(0)
+    }
+}
+
+/// One held stream slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct StreamSlot {
+    slots: Arc<StreamSlots>,
+    principal: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.slots.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.principal) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.principal);
+            }
+        }
+    }
+}
+
+/// Whether the request accepts an event stream at all (else 406).
+pub fn check_accept(headers: &HeaderMap) -> Result<(), SseError> {
+    let accepts = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.to_ascii_lowercase().contains("text/event-stream"));
+    if accepts {
+        Ok(())
+    } else {
+        Err(SseError::NotAcceptable)
+    }
+}
+
+/// The resume cursor from `Last-Event-ID` (preferred) or `?after=`; `None` for a fresh stream.
+pub fn parse_cursor(headers: &HeaderMap, after: Option<&str>) -> Result<Option<i64>, SseError> {
+    let raw = match headers.get("last-event-id") {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| SseError::BadCursor)?
+                .trim()
+                .to_owned(),
+        ),
+        None => after.map(str::to_owned),
+    };
+    match raw {
+        None => Ok(None),
+        Some(s) => match s.parse::<i64>() {
+            Ok(n) if n >= 0 => Ok(Some(n)),
+            _ => Err(SseError::BadCursor),
+        },
+    }
+}
+
+/// A future answering "has the subject (process, submission, ...) finished?".
+pub type FinishedCheck = Pin<Box<dyn Future<Output = Result<bool, StoreError>> + Send>>;
+
+/// Makes a fresh [`FinishedCheck`] each time it is called.
+pub type Finished = Box<dyn Fn() -> FinishedCheck + Send + Sync>;
+
+/// What a stream is about: the log to read, when it ends, and what to tell the caller.
+pub struct Subject {
+    /// The durable log's key.
+    pub stream: String,
+    /// Whether an event is the last one of the subject (the stream ends after it).
+    pub is_terminal: Box<dyn Fn(&Event) -> bool + Send + Sync>,
+    /// Whether the subject has finished (its terminal event is in the log, or it is gone):
+    /// with nothing after the cursor, 204 before the stream starts, and EOF when an idle
+    /// stream finds it so (a subject removed before its terminal event was read).
+    pub finished: Finished,
+    /// Called with each event's seq once it is handed to the connection.
+    pub on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>>,
+}
+
+/// Stream-wide settings.
+pub struct Options {
+    pub heartbeat: Duration,
+    pub max_duration: Duration,
+    /// Ends every open stream (server shutdown).
+    pub shutdown: CancellationToken,
+    /// When set, a resumed stream starts one event late (the `sse-resume-drops-event` defect).
+    pub skip_first_on_resume: bool,
+}
+
+/// Builds the response: 204 when the subject finished and nothing follows the cursor,
+/// otherwise a streaming 200. `cursor` comes from [`parse_cursor`]; the slot is held for the
+/// life of the body.
+pub async fn respond(
+    log: &EventLog,
+    subject: Subject,
+    cursor: Option<i64>,
+    slot: StreamSlot,
+    options: Options,
+) -> Result<Response, SseError> {
+    let store = Arc::clone(log.store());
+    // Follow before reading so that an append racing with the first read still wakes us.
+    let wake = log.follow(&subject.stream);
+    let finished = (subject.finished)().await?;
+    let bounds = store.stream_bounds(&subject.stream).await?;
+    let mut start = match cursor {
+        Some(c) if c < bounds.purged_through => return Err(SseError::CursorExpired),
+        Some(c) => c,
+        None => bounds.purged_through,
+    };
+    if finished && bounds.last_seq <= start {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    if cursor.is_some() && options.skip_first_on_resume {
+        start += 1;
+    }
+    let now = Instant::now();
+    let state = Running {
+        store,
+        wake,
+        stream: subject.stream,
+        is_terminal: subject.is_terminal,
+        finished: subject.finished,
+        on_delivered: subject.on_delivered,
+        cursor: start,
+        heartbeat_every: options.heartbeat,
+        // The first heartbeat goes out at once when there is nothing to replay, so a client
+        // (and a proxy) sees the stream is open without waiting a whole interval.
+        next_heartbeat: now,
+        deadline: now + options.max_duration,
+        shutdown: options.shutdown,
+        done: false,
+        _slot: slot,
+    };
+    let body = futures_util::stream::unfold(state, |mut s| async move {
+        let chunk = s.next_chunk().await?;
+        Some((Ok::<_, std::convert::Infallible>(chunk), s))
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store, no-transform"),
+    );
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(response)
+}
+
+/// The state of one open stream.
+struct Running {
+    store: Arc<dyn Store>,
+    wake: watch::Receiver<i64>,
+    stream: String,
+    is_terminal: Box<dyn Fn(&Event) -> bool + Send + Sync>,
+    finished: Finished,
+    on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>>,
+    /// The last seq sent (or the resume point): the next event sent is `cursor + 1`.
+    cursor: i64,
+    heartbeat_every: Duration,
+    next_heartbeat: Instant,
+    deadline: Instant,
+    shutdown: CancellationToken,
+    done: bool,
+    /// Holds the principal's stream slot until the body is dropped.
+    _slot: StreamSlot,
+}
+
+impl Running {
+    /// The next bytes to write, or `None` at the end of the stream.
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            if self.done || self.shutdown.is_cancelled() {
+                return None;
+            }
+            if Instant::now() >= self.deadline {
+                return Some(self.end("max_duration"));
+            }
+            let events = match self
+                .store
+                .events_after(&self.stream, self.cursor, BATCH)
+                .await
+            {
+                Ok(events) => events,
+                Err(e) => {
+                    // The client resumes from its last id once the store is back.
+                    tracing::warn!(error = %e, stream = %self.stream, "ending stream: store read failed");
+                    return None;
+                }
+            };
+            if let Some(first) = events.first() {
+                if first.seq != self.cursor + 1 {
+                    // Retention purged events this client had not read yet.
+                    return Some(self.end("lagging"));
+                }
+                let mut chunk = String::new();
+                for event in &events {
+                    chunk.push_str(&frame(event));
+                    self.cursor = event.seq;
+                    if let Some(f) = &self.on_delivered {
+                        f(event.seq);
+                    }
+                    if (self.is_terminal)(event) {
+                        self.done = true;
+                        break;
+                    }
+                }
+                self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                return Some(Bytes::from(chunk));
+            }
+            tokio::select! {
+                changed = self.wake.changed() => {
+                    if changed.is_err() {
+                        // The waker went away; fall back to polling.
+                        tokio::time::sleep(POLL).await;
+                    }
+                }
+                () = tokio::time::sleep_until(self.next_heartbeat) => {
+                    self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                    return Some(Bytes::from_static(b": ping\n\n"));
+                }
+                () = tokio::time::sleep_until(self.deadline) => {}
+                () = tokio::time::sleep(POLL) => {
+                    if self.idle_and_finished().await {
+                        return None;
+                    }
+                }
+                () = self.shutdown.cancelled() => return None,
+            }
+        }
+    }
+
+    /// Whether the subject has finished with nothing left to read: the stream is over.
+    async fn idle_and_finished(&self) -> bool {
+        match (self.finished)().await {
+            Ok(true) => {}
+            _ => return false,
+        }
+        matches!(self.store.events_after(&self.stream, self.cursor, 1).await, Ok(events) if events.is_empty())
+    }
+
+    fn end(&mut self, reason: &str) -> Bytes {
+        self.done = true;
+        let data = json!({"reason": reason, "resume_after": self.cursor});
+        Bytes::from(format!("event: stream.end\ndata: {data}\n\n"))
+    }
+}
+
+/// One event's frame: `id`, `event` and a one-line JSON `data` carrying `seq`.
+fn frame(event: &Event) -> String {
+    let data = match &event.data {
+        Value::Object(map) => {
+            let mut map = map.clone();
+            map.insert("seq".into(), Value::from(event.seq));
+            Value::Object(map)
+        }
+        other => json!({"seq": event.seq, "data": other}),
+    };
+    // serde_json never writes a raw newline, so `data` is one line.
+    format!(
+        "id: {}\nevent: {}\ndata: {}\n\n",
+        event.seq, event.kind, data
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_is_one_line_json_with_seq() {
+        let event = Event {
+            stream: "s".into(),
+            seq: 7,
+            kind: "stdout".into(),
+            data: json!({"data": "a\nb"}),
+            at: time::OffsetDateTime::UNIX_EPOCH,
+        };
+        assert_eq!(
+            frame(&event),
+            "id: 7\nevent: stdout\ndata: {\"data\":\"a\\nb\",\"seq\":7}\n\n"
+        );
+    }
+
+    #[test]
+    fn cursor_prefers_last_event_id() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(parse_cursor(&headers, Some("3")).unwrap(), Some(3));
+        headers.insert("last-event-id", HeaderValue::from_static("5"));
+        assert_eq!(parse_cursor(&headers, Some("3")).unwrap(), Some(5));
+        headers.insert("last-event-id", HeaderValue::from_static("x"));
+        assert!(matches!(
+            parse_cursor(&headers, None),
+            Err(SseError::BadCursor)
+        ));
+    }
+
+    #[test]
+    fn slots_are_capped_and_released_on_drop() {
+        let slots = Arc::new(StreamSlots::default());
+        let a = slots.try_acquire("alice", 1).unwrap();
+        assert!(slots.try_acquire("alice", 1).is_none());
+        assert!(slots.try_acquire("bob", 1).is_some());
+        drop(a);
+        assert_eq!(slots.open("alice"), 0);
+        assert!(slots.try_acquire("alice", 1).is_some());
+    }
+
+    mod over_a_store {
+        use super::*;
+        use http_body_util::BodyExt as _;
+
+        use crate::store::SqliteStore;
+
+        async fn log() -> EventLog {
+            EventLog::new(Arc::new(SqliteStore::open(None).await.unwrap()))
+        }
+
+        fn subject(stream: &str, finished: bool) -> Subject {
+            Subject {
+                stream: stream.to_owned(),
+                is_terminal: Box::new(|e| e.kind == "exit"),
+                finished: Box::new(move || Box::pin(async move { Ok(finished) })),
+                on_delivered: None,
+            }
+        }
+
+        fn options() -> Options {
+            Options {
+                heartbeat: Duration::from_secs(30),
+                max_duration: Duration::from_secs(30),
+                shutdown: CancellationToken::new(),
+                skip_first_on_resume: false,
+            }
+        }
+
+        fn slot() -> StreamSlot {
+            Arc::new(StreamSlots::default())
+                .try_acquire("p", 1)
+                .unwrap()
+        }
+
+        async fn body(response: Response) -> String {
+            let collected =
+                tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+                    .await
+                    .expect("the stream ends")
+                    .unwrap();
+            String::from_utf8(collected.to_bytes().to_vec()).unwrap()
+        }
+
+        #[tokio::test]
+        async fn streams_every_event_and_ends_after_the_terminal_one() {
+            let log = log().await;
+            log.append("s", "stdout", &json!({"data": "a"}))
+                .await
+                .unwrap();
+            log.append("s", "exit", &json!({"state": "exited"}))
+                .await
+                .unwrap();
+            log.append("s", "stdout", &json!({"data": "after"}))
+                .await
+                .unwrap();
+            let response = respond(&log, subject("s", false), None, slot(), options())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            assert_eq!(
+                body(response).await,
+                "id: 1\nevent: stdout\ndata: {\"data\":\"a\",\"seq\":1}\n\n\
+                 id: 2\nevent: exit\ndata: {\"seq\":2,\"state\":\"exited\"}\n\n"
+            );
+        }
+
+        #[tokio::test]
+        async fn a_live_append_wakes_the_stream() {
+            let log = log().await;
+            let response = respond(&log, subject("s", false), None, slot(), options())
+                .await
+                .unwrap();
+            let writer = log.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                writer.append("s", "exit", &json!({})).await.unwrap();
+            });
+            // Idle at first: the opening heartbeat, then the event once it is appended.
+            assert_eq!(
+                body(response).await,
+                ": ping\n\nid: 1\nevent: exit\ndata: {\"seq\":1}\n\n"
+            );
+        }
+
+        #[tokio::test]
+        async fn events_purged_under_an_open_stream_end_it_as_lagging() {
+            let log = log().await;
+            for _ in 0..3 {
+                log.append("s", "stdout", &json!({"data": "x"}))
+                    .await
+                    .unwrap();
+            }
+            let response = respond(&log, subject("s", false), Some(0), slot(), options())
+                .await
+                .unwrap();
+            // Retention runs before the client reads anything.
+            log.store().purge_events("s", 2).await.unwrap();
+            assert_eq!(
+                body(response).await,
+                "event: stream.end\ndata: {\"reason\":\"lagging\",\"resume_after\":0}\n\n"
+            );
+        }
+
+        #[tokio::test]
+        async fn cursors_below_retention_are_refused_and_fresh_streams_start_after_it() {
+            let log = log().await;
+            for _ in 0..3 {
+                log.append("s", "stdout", &json!({"data": "x"}))
+                    .await
+                    .unwrap();
+            }
+            log.append("s", "exit", &json!({})).await.unwrap();
+            log.store().purge_events("s", 2).await.unwrap();
+            let refused = respond(&log, subject("s", true), Some(1), slot(), options()).await;
+            assert!(matches!(refused, Err(SseError::CursorExpired)));
+            let fresh = respond(&log, subject("s", true), None, slot(), options())
+                .await
+                .unwrap();
+            assert!(body(fresh).await.starts_with("id: 3\n"));
+        }
+
+        #[tokio::test]
+        async fn finished_with_nothing_after_the_cursor_is_204_and_frees_the_slot() {
+            let log = log().await;
+            log.append("s", "exit", &json!({})).await.unwrap();
+            let slots = Arc::new(StreamSlots::default());
+            let held = slots.try_acquire("p", 1).unwrap();
+            let response = respond(&log, subject("s", true), Some(1), held, options())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::NO_CONTENT);
+            assert_eq!(slots.open("p"), 0);
+        }
+
+        #[tokio::test]
+        async fn max_duration_ends_with_the_resume_point() {
+            let log = log().await;
+            log.append("s", "stdout", &json!({"data": "x"}))
+                .await
+                .unwrap();
+            let mut options = options();
+            options.max_duration = Duration::from_millis(200);
+            let response = respond(&log, subject("s", false), None, slot(), options)
+                .await
+                .unwrap();
+            assert_eq!(
+                body(response).await,
+                "id: 1\nevent: stdout\ndata: {\"data\":\"x\",\"seq\":1}\n\n\
+                 event: stream.end\ndata: {\"reason\":\"max_duration\",\"resume_after\":1}\n\n"
+            );
+        }
+    }
+}

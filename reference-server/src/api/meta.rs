@@ -1,0 +1,139 @@
+//! Health, capabilities, and the test controls (§9).
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::domain::IdKind;
+
+use super::error::ApiError;
+use super::extract::{Admin, Caller, Json, Path};
+use super::state::AppState;
+
+pub async fn health(State(state): State<AppState>) -> Result<Response, ApiError> {
+    state.store.ping().await?;
+    Ok(axum::Json(json!({"status": "ok"})).into_response())
+}
+
+pub async fn capabilities(
+    State(state): State<AppState>,
+    _caller: Caller,
+) -> Result<Response, ApiError> {
+    // In configuration order: the first is the default.
+    let providers: Vec<_> = state
+        .config
+        .providers
+        .iter()
+        .filter_map(|p| state.providers.get(&p.name))
+        .map(|p| {
+            let capacity = p.capacity();
+            json!({
+                "name": p.name(),
+                "default": p.name() == state.providers.default_name(),
+                "capacity": {"cpu": capacity.cpu, "memory_mb": capacity.memory_mb},
+            })
+        })
+        .collect();
+    let mut features = vec!["pause", "snapshots", "previews", "sessions"];
+    if state.config.test_controls && state.config.admin_token.is_some() {
+        features.push("test_controls");
+    }
+    let l = &state.config.limits;
+    let r = &state.config.retention;
+    Ok(axum::Json(json!({
+        "api_version": "v1",
+        "server": {"name": "sandspec-reference", "version": env!("CARGO_PKG_VERSION")},
+        "providers": providers,
+        "features": features,
+        "limits": {
+            "max_body_bytes": l.max_body_bytes,
+            "max_file_bytes": l.max_file_bytes,
+            "default_page_size": l.default_page_size,
+            "max_page_size": l.max_page_size,
+            "max_streams_per_principal": l.max_streams_per_principal,
+            "heartbeat_interval_s": l.heartbeat_interval_s,
+            "max_stream_duration_s": l.max_stream_duration_s,
+            "max_sandboxes_per_principal": l.max_sandboxes_per_principal,
+            "max_timeout_s": l.max_timeout_s,
+            "default_timeout_s": l.default_timeout_s,
+            "max_queue_depth": l.max_queue_depth,
+            "max_process_output_bytes": l.max_process_output_bytes,
+        },
+        "retention": {
+            "process_output_s": r.process_output_s,
+            "result_s": r.result_s,
+            "events_s": r.events_s,
+            "idempotency_s": r.idempotency_s,
+        },
+    }))
+    .into_response())
+}
+
+pub async fn digest(State(state): State<AppState>, _admin: Admin) -> Result<Response, ApiError> {
+    let digest = state.store.digest().await?;
+    Ok(axum::Json(json!({ "digest": digest })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateDelay {
+    delay_ms: u64,
+}
+
+pub async fn create_delay(
+    State(state): State<AppState>,
+    _admin: Admin,
+    Path(name): Path<String>,
+    body: Json<CreateDelay>,
+) -> Result<Response, ApiError> {
+    let provider = state.providers.get(&name).ok_or(ApiError::NotFound)?;
+    provider.set_create_delay(Duration::from_millis(body.value.delay_ms));
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum LocalIdKind {
+    Sandbox,
+    Snapshot,
+    Process,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NextLocalId {
+    kind: LocalIdKind,
+    local_id: String,
+}
+
+pub async fn next_local_id(
+    State(state): State<AppState>,
+    _admin: Admin,
+    Path(name): Path<String>,
+    body: Json<NextLocalId>,
+) -> Result<Response, ApiError> {
+    let provider = state.providers.get(&name).ok_or(ApiError::NotFound)?;
+    let NextLocalId { kind, local_id } = body.value;
+    let kind = match kind {
+        LocalIdKind::Sandbox => IdKind::Sandbox,
+        LocalIdKind::Snapshot => IdKind::Snapshot,
+        LocalIdKind::Process => IdKind::Process,
+    };
+    let valid = local_id.starts_with(kind.prefix())
+        && local_id.len() <= 128
+        && local_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !valid {
+        return Err(ApiError::invalid(
+            "local_id",
+            format!("local_id must start with `{}`", kind.prefix()),
+        ));
+    }
+    provider.set_next_local_id(kind, local_id);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}

@@ -1,0 +1,500 @@
+//! Processes: start, list, get, retained output, the event stream, stdin and signals.
+//!
+//! The process record (`domain::Process` as its body) is inserted here and then owned by the
+//! provider, which records the exit. Output lives in the durable log `process:<id>`; the
+//! reaper marks it expired `retention.process_output_s` after the end.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{OriginalUri, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::defects::Defect;
+use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, SandboxState, now};
+use crate::sandbox::{ProviderError, Signal};
+use crate::store::{Kind, ListQuery, Record, Scope};
+use crate::stream::process_stream;
+use crate::stream::sse::{self, Options, SseError, Subject};
+
+use super::error::ApiError;
+use super::extract::{Caller, IdempotencyKey, Json, Path, QueryPairs};
+use super::idempotency::{self, Created, IdemRequest};
+use super::lookup;
+use super::pagination::PageRequest;
+use super::sandboxes::{env_of, sandbox_of};
+use super::state::AppState;
+
+const MAX_TAG_CHARS: usize = 256;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartProcess {
+    cmd: Vec<String>,
+    cwd: Option<String>,
+    env: Option<BTreeMap<String, String>>,
+    stdin: Option<bool>,
+    timeout_ms: Option<u64>,
+    tag: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stdin {
+    data: String,
+    eof: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendSignal {
+    signal: String,
+}
+
+/// The process as clients see it.
+#[derive(Debug, Serialize)]
+struct View {
+    id: String,
+    sandbox_id: String,
+    state: ProcessState,
+    cmd: Vec<String>,
+    tag: Option<String>,
+    exit_code: Option<i32>,
+    signal: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    started_at: time::OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    ended_at: Option<time::OffsetDateTime>,
+}
+
+fn process_of(rec: &Record) -> Result<Process, ApiError> {
+    serde_json::from_value(rec.body.clone())
+        .map_err(|e| ApiError::internal(format!("process body {}: {e}", rec.id)))
+}
+
+fn view(rec: &Record) -> Result<Value, ApiError> {
+    let p = process_of(rec)?;
+    let view = View {
+        id: p.id,
+        sandbox_id: p.sandbox_id,
+        state: p.state,
+        cmd: p.cmd,
+        tag: p.tag,
+        exit_code: p.exit_code,
+        signal: p.signal,
+        started_at: p.started_at,
+        ended_at: p.ended_at,
+    };
+    serde_json::to_value(view).map_err(ApiError::internal)
+}
+
+pub async fn start(
+    State(state): State<AppState>,
+    caller: Caller,
+    OriginalUri(uri): OriginalUri,
+    Path(id): Path<String>,
+    IdempotencyKey(key): IdempotencyKey,
+    body: Json<StartProcess>,
+) -> Result<Response, ApiError> {
+    let req = body.value;
+    if req.cmd.is_empty() || req.cmd[0].is_empty() {
+        return Err(ApiError::invalid("cmd", "cmd must be a non-empty argv"));
+    }
+    if req.cmd.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::invalid("cmd", "arguments cannot contain NUL"));
+    }
+    let env = req.env.unwrap_or_default();
+    if env
+        .iter()
+        .any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0'))
+    {
+        return Err(ApiError::invalid(
+            "env",
+            "environment names must be non-empty without `=` or NUL",
+        ));
+    }
+    if req.timeout_ms == Some(0) {
+        return Err(ApiError::invalid(
+            "timeout_ms",
+            "timeout_ms must be positive",
+        ));
+    }
+    if req
+        .tag
+        .as_ref()
+        .is_some_and(|t| t.chars().count() > MAX_TAG_CHARS)
+    {
+        return Err(ApiError::invalid(
+            "tag",
+            format!("tag is at most {MAX_TAG_CHARS} characters"),
+        ));
+    }
+    if let Some(cwd) = &req.cwd
+        && (cwd.starts_with('/') || cwd.contains('\0'))
+    {
+        return Err(ApiError::InvalidPath);
+    }
+    let sandbox = lookup::qualified(&state, Kind::Sandbox, &caller.principal, &id).await?;
+    let spec = ProcessSpec {
+        cmd: req.cmd,
+        cwd: req.cwd,
+        env,
+        stdin: req.stdin.unwrap_or(false),
+        timeout_ms: req.timeout_ms,
+        tag: req.tag,
+    };
+    let task_state = state.clone();
+    let principal = caller.principal.clone();
+    let create = move || async move {
+        let state = task_state;
+        let current = state
+            .store
+            .get(Kind::Sandbox, Scope::System, &sandbox.id)
+            .await?
+            .ok_or(ApiError::NotFound)?;
+        let sbx = sandbox_of(&current)?;
+        if sbx.state != SandboxState::Running {
+            return Err(ApiError::InvalidState(format!(
+                "the sandbox is {}",
+                sbx.state.as_str()
+            )));
+        }
+        let (provider_name, sandbox_local) = lookup::split(&current.id)?;
+        let provider = state
+            .providers
+            .get(provider_name)
+            .ok_or_else(|| ApiError::internal("unknown provider"))?;
+        let process = Process {
+            id: QualifiedId::new(provider_name, provider.allocate_local_id(IdKind::Process))
+                .to_string(),
+            sandbox_id: current.id.clone(),
+            state: ProcessState::Running,
+            cmd: spec.cmd.clone(),
+            tag: spec.tag.clone(),
+            exit_code: None,
+            signal: None,
+            started_at: now(),
+            ended_at: None,
+            output_expires_at: None,
+            output_expired: false,
+        };
+        let rec = Record {
+            kind: Kind::Process,
+            id: process.id.clone(),
+            owner: principal,
+            parent: Some(current.id.clone()),
+            state: ProcessState::Running.as_str().to_owned(),
+            body: serde_json::to_value(&process).map_err(ApiError::internal)?,
+            version: 1,
+            created_at: process.started_at,
+            due_at: None,
+        };
+        state.store.insert(&rec).await?;
+        if let Err(e) = provider
+            .spawn(sandbox_local, rec.clone(), &spec, &env_of(&current))
+            .await
+        {
+            if let Err(e) = state.store.delete(Kind::Process, &rec.id).await {
+                tracing::warn!(error = %e, "could not remove the record of a failed start");
+            }
+            return Err(e.into());
+        }
+        // The process may already have ended: answer with what is stored now.
+        let rec = state
+            .store
+            .get(Kind::Process, Scope::System, &rec.id)
+            .await?
+            .unwrap_or(rec);
+        Ok(Created {
+            status: StatusCode::CREATED,
+            resource_id: rec.id.clone(),
+            body: view(&rec)?,
+        })
+    };
+    let replay_state = state.clone();
+    let replay_principal = caller.principal.clone();
+    let replay = move |id: String| async move {
+        let rec = replay_state
+            .store
+            .get(Kind::Process, Scope::Owner(&replay_principal), &id)
+            .await?;
+        rec.as_ref().map(view).transpose()
+    };
+    let idem = IdemRequest {
+        principal: &caller.principal,
+        method: "POST",
+        path: uri.path(),
+        key,
+        body: &body.raw,
+    };
+    idempotency::run(&state, idem, create, replay).await
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    query: QueryPairs,
+) -> Result<Response, ApiError> {
+    let sandbox = lookup::qualified(&state, Kind::Sandbox, &caller.principal, &id).await?;
+    let state_filter = match query.get("state") {
+        None => None,
+        Some(s @ ("running" | "exited" | "killed")) => Some(s.to_owned()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "state",
+                "state must be running, exited or killed",
+            ));
+        }
+    };
+    let filters = format!(
+        "sandbox={}&state={}",
+        sandbox.id,
+        state_filter.as_deref().unwrap_or("")
+    );
+    let page = PageRequest::parse(&state, &query, &caller.principal, filters)?;
+    let mut q = ListQuery::new(Kind::Process, Scope::Owner(&caller.principal));
+    q.parent = Some(&sandbox.id);
+    q.state = state_filter.as_deref();
+    q.after = page.after.clone();
+    q.limit = Some(page.limit + 1);
+    let records = state.store.list(&q).await?;
+    Ok(axum::Json(page.page(&state, records, view)?).into_response())
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let rec = lookup::qualified(&state, Kind::Process, &caller.principal, &id).await?;
+    Ok(axum::Json(view(&rec)?).into_response())
+}
+
+#[derive(Debug, Serialize)]
+struct Output {
+    stdout: String,
+    stderr: String,
+    next_offset: i64,
+    complete: bool,
+    truncated: bool,
+}
+
+pub async fn output(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    query: QueryPairs,
+) -> Result<Response, ApiError> {
+    let rec = lookup::qualified(&state, Kind::Process, &caller.principal, &id).await?;
+    let process = process_of(&rec)?;
+    if process.output_expired {
+        return Err(ApiError::OutputExpired);
+    }
+    let after = match query.get("after") {
+        None => 0,
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| ApiError::invalid("after", "after must be a non-negative offset"))?,
+    };
+    let stream = process_stream(&rec.id);
+    // A process that keeps nothing for a client that is not attached: only what an event
+    // stream has already carried is readable.
+    let readable_through = if state.config.defects.has(Defect::OutputLostOnDisconnect) {
+        state
+            .delivered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&rec.id)
+            .copied()
+            .unwrap_or(0)
+    } else {
+        i64::MAX
+    };
+    let mut out = Output {
+        stdout: String::new(),
+        stderr: String::new(),
+        next_offset: after,
+        complete: false,
+        truncated: rec
+            .body
+            .get("truncated")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    };
+    let mut cursor = after;
+    'read: loop {
+        let events = state.store.events_after(&stream, cursor, 1000).await?;
+        if events.is_empty() {
+            break;
+        }
+        for event in &events {
+            if event.seq > readable_through {
+                break 'read;
+            }
+            cursor = event.seq;
+            out.next_offset = event.seq;
+            let text = event.data.get("data").and_then(Value::as_str).unwrap_or("");
+            match event.kind.as_str() {
+                "stdout" => out.stdout.push_str(text),
+                "stderr" => out.stderr.push_str(text),
+                "exit" => {
+                    out.complete = true;
+                    break 'read;
+                }
+                _ => {}
+            }
+        }
+    }
+    if !out.complete && process.state != ProcessState::Running && out.next_offset > 0 {
+        // Everything was read earlier: complete when the event at the offset is the exit.
+        let last = state
+            .store
+            .events_after(&stream, out.next_offset - 1, 1)
+            .await?;
+        out.complete = last
+            .first()
+            .is_some_and(|e| e.kind == "exit" && e.seq == out.next_offset);
+    }
+    // Retention may have run between the record read and the event reads.
+    if !out.complete && process.state != ProcessState::Running {
+        let fresh = state
+            .store
+            .get(Kind::Process, Scope::System, &rec.id)
+            .await?;
+        if fresh
+            .is_some_and(|r| r.body.get("output_expired").and_then(Value::as_bool) == Some(true))
+        {
+            return Err(ApiError::OutputExpired);
+        }
+    }
+    Ok(axum::Json(out).into_response())
+}
+
+pub async fn events(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    query: QueryPairs,
+) -> Result<Response, ApiError> {
+    sse::check_accept(&headers)?;
+    let rec = lookup::qualified(&state, Kind::Process, &caller.principal, &id).await?;
+    if process_of(&rec)?.output_expired {
+        return Err(ApiError::OutputExpired);
+    }
+    let cursor = sse::parse_cursor(&headers, query.get("after"))?;
+    let limits = &state.config.limits;
+    let slot = state
+        .streams
+        .try_acquire(&caller.principal, limits.max_streams_per_principal)
+        .ok_or(SseError::TooManyStreams { retry_after_s: 1 })?;
+    let stream = process_stream(&rec.id);
+    let finished: sse::Finished = {
+        let store = Arc::clone(&state.store);
+        let id = rec.id.clone();
+        let stream = stream.clone();
+        Box::new(move || {
+            let (store, id, stream) = (Arc::clone(&store), id.clone(), stream.clone());
+            Box::pin(async move {
+                let Some(rec) = store.get(Kind::Process, Scope::System, &id).await? else {
+                    return Ok(true);
+                };
+                if rec.state == ProcessState::Running.as_str() {
+                    return Ok(false);
+                }
+                // The exit is recorded before the `exit` event is appended: finished means both.
+                let bounds = store.stream_bounds(&stream).await?;
+                let last = store.events_after(&stream, bounds.last_seq - 1, 1).await?;
+                Ok(last.first().is_some_and(|e| e.kind == "exit"))
+            })
+        })
+    };
+    let on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>> = {
+        let delivered = Arc::clone(&state.delivered);
+        let id = rec.id.clone();
+        Some(Box::new(move |seq| {
+            let mut map = delivered.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = map.entry(id.clone()).or_insert(0);
+            *entry = (*entry).max(seq);
+        }))
+    };
+    let subject = Subject {
+        stream,
+        is_terminal: Box::new(|e| e.kind == "exit"),
+        finished,
+        on_delivered,
+    };
+    let options = Options {
+        heartbeat: std::time::Duration::from_secs(limits.heartbeat_interval_s),
+        max_duration: std::time::Duration::from_secs(limits.max_stream_duration_s),
+        shutdown: state.shutdown.clone(),
+        skip_first_on_resume: state.config.defects.has(Defect::SseResumeDropsEvent),
+    };
+    Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
+}
+
+/// The running process `id` of the caller's, with its provider.
+async fn running(
+    state: &AppState,
+    principal: &str,
+    id: &str,
+) -> Result<(Record, Arc<crate::sandbox::LocalProvider>), ApiError> {
+    let rec = lookup::qualified(state, Kind::Process, principal, id).await?;
+    if rec.state != ProcessState::Running.as_str() {
+        return Err(ApiError::ProcessExited);
+    }
+    let (provider, _) = lookup::split(&rec.id)?;
+    let provider = state
+        .providers
+        .get(provider)
+        .cloned()
+        .ok_or_else(|| ApiError::internal("unknown provider"))?;
+    Ok((rec, provider))
+}
+
+/// The provider forgets a process once it is gone: for a client that is an exited process.
+fn exited_if_unknown(e: ProviderError) -> ApiError {
+    match e {
+        ProviderError::NotFound => ApiError::ProcessExited,
+        other => other.into(),
+    }
+}
+
+pub async fn stdin(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    body: Json<Stdin>,
+) -> Result<Response, ApiError> {
+    let (rec, provider) = running(&state, &caller.principal, &id).await?;
+    provider
+        .write_stdin(
+            &rec.id,
+            body.value.data.as_bytes(),
+            body.value.eof.unwrap_or(false),
+        )
+        .await
+        .map_err(exited_if_unknown)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub async fn signal(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    body: Json<SendSignal>,
+) -> Result<Response, ApiError> {
+    let signal = Signal::parse(&body.value.signal)
+        .ok_or_else(|| ApiError::invalid("signal", "signal must be TERM, KILL or INT"))?;
+    let (rec, provider) = running(&state, &caller.principal, &id).await?;
+    provider
+        .signal(&rec.id, signal)
+        .map_err(exited_if_unknown)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}

@@ -1,0 +1,85 @@
+//! The route table: every operation of API v1 and the preview proxy, with the request-id,
+//! panic and fallback handling around them.
+
+use axum::Router;
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use tower_http::catch_panic::CatchPanicLayer;
+
+use super::error::ApiError;
+use super::state::AppState;
+use super::{files, meta, previews, processes, request_id, sandboxes, snapshots};
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/health", get(meta::health))
+        .route("/capabilities", get(meta::capabilities))
+        .route("/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route(
+            "/sandboxes/{id}",
+            get(sandboxes::get).delete(sandboxes::kill),
+        )
+        .route(
+            "/sandboxes/{id}/connections",
+            post(sandboxes::connect).get(sandboxes::list_connections),
+        )
+        .route(
+            "/sandboxes/{id}/connections/{conn}",
+            axum::routing::delete(sandboxes::close_connection),
+        )
+        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/sandboxes/{id}/resume", post(sandboxes::resume))
+        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/snapshots", get(snapshots::list))
+        .route(
+            "/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route(
+            "/sandboxes/{id}/processes",
+            post(processes::start).get(processes::list),
+        )
+        .route("/processes/{id}", get(processes::get))
+        .route("/processes/{id}/output", get(processes::output))
+        .route("/processes/{id}/events", get(processes::events))
+        .route("/processes/{id}/stdin", post(processes::stdin))
+        .route("/processes/{id}/signal", post(processes::signal))
+        .route(
+            "/sandboxes/{id}/files",
+            get(files::read).put(files::write).delete(files::delete),
+        )
+        .route("/sandboxes/{id}/files/list", get(files::list))
+        .route("/sandboxes/{id}/previews", post(previews::create))
+        .route("/test/digest", get(meta::digest))
+        .route(
+            "/test/providers/{name}/create_delay",
+            post(meta::create_delay),
+        )
+        .route(
+            "/test/providers/{name}/next_local_id",
+            post(meta::next_local_id),
+        );
+    Router::new()
+        .nest("/v1", v1)
+        .route("/previews/{id}", any(previews::proxy_root))
+        .route("/previews/{id}/", any(previews::proxy_root))
+        .route("/previews/{id}/{*rest}", any(previews::proxy))
+        .merge(crate::gateway::routes(&state))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+        .layer(CatchPanicLayer::custom(|_| {
+            ApiError::internal("a handler panicked").into_response()
+        }))
+        .layer(middleware::from_fn(request_id::middleware))
+}
+
+async fn not_found() -> Response {
+    ApiError::NotFound.into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
+}

@@ -1,0 +1,91 @@
+//! The state every handler shares.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::sandbox::Providers;
+use crate::store::Store;
+use crate::stream::EventLog;
+use crate::stream::sse::StreamSlots;
+
+/// Shared by every request; cheap to clone.
+#[derive(Clone)]
+pub struct AppState(pub Arc<Inner>);
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+pub struct Inner {
+    pub config: Config,
+    pub store: Arc<dyn Store>,
+    /// Appends to durable logs and wakes the SSE streams that follow them.
+    pub log: EventLog,
+    pub providers: Providers,
+    /// Signs page tokens. Random per process: several server processes sharing one database
+    /// would need one shared key for a token from one to be accepted by another.
+    pub page_key: [u8; 32],
+    /// Open SSE streams per principal, for `limits.max_streams_per_principal`.
+    pub streams: Arc<StreamSlots>,
+    /// Serializes the quota check and insert of sandbox creates, so that concurrent creates
+    /// cannot overshoot `limits.max_sandboxes_per_principal`.
+    pub create_lock: tokio::sync::Mutex<()>,
+    /// Where this server listens, for preview URLs when the request has no Host header.
+    pub local_addr: SocketAddr,
+    /// Fired at shutdown: open streams end so that connections can close.
+    pub shutdown: CancellationToken,
+    /// Forwards preview requests to ports inside sandboxes.
+    pub proxy: Client<HttpConnector, Body>,
+    /// Per process, the last output seq handed to an event stream. Read only by the
+    /// `output-lost-on-disconnect` defect.
+    pub delivered: Arc<Mutex<HashMap<String, i64>>>,
+}
+
+impl AppState {
+    pub fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        log: EventLog,
+        providers: Providers,
+        local_addr: SocketAddr,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let proxy = Client::builder(TokioExecutor::new()).build(connector);
+        AppState(Arc::new(Inner {
+            config,
+            store,
+            log,
+            providers,
+            page_key: rand::random(),
+            streams: Arc::default(),
+            create_lock: tokio::sync::Mutex::new(()),
+            local_addr,
+            shutdown,
+            proxy,
+            delivered: Arc::default(),
+        }))
+    }
+
+    /// The scheme this server is reached with.
+    pub fn scheme(&self) -> &'static str {
+        if self.config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+}
