@@ -1,2 +1,53 @@
-//! The `sandspec` command: the runner, and `sandspec serve` (the reference server).
-fn main() {}
+//! The `sandspec` command: the runner (`run`, `list`, `evidence verify`) and `sandspec serve`
+//! (the reference server). `main` only parses arguments and calls library functions.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "sandspec",
+    version,
+    about = "Conformance suite and acceptance-testing harness for code-execution sandboxes and agent sessions"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run scenarios against a target and judge conformance.
+    Run(sandspec::cli::RunArgs),
+    /// List the scenario catalog: ID, level, clauses, title.
+    List(sandspec::cli::ListArgs),
+    /// Run the reference server.
+    Serve(reference_server::cli::ServeArgs),
+    /// Work with evidence folders.
+    #[command(subcommand)]
+    Evidence(EvidenceCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum EvidenceCommand {
+    /// Check a run folder: manifest digests, the receipt against its schema, and a scan of
+    /// every file for secrets. Exit code 0 only when all hold, 1 otherwise, 2 when DIR is not
+    /// a folder.
+    Verify {
+        /// The run folder (e.g. evidence/runs/<run-id>).
+        dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Run(args) => sandspec::cli::run_blocking(args),
+        Command::List(args) => sandspec::cli::list(&args),
+        Command::Serve(args) => reference_server::cli::main(args),
+        Command::Evidence(EvidenceCommand::Verify { dir }) => {
+            ExitCode::from(u8::try_from(sandspec::evidence::verify_cli(&dir)).unwrap_or(1))
+        }
+    }
+}

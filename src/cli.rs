@@ -1,0 +1,622 @@
+//! `sandspec run` and `sandspec list`: argument parsing, scenario selection, running with
+//! `--jobs`, progress, the verdict table, JUnit and `report.json`.
+//!
+//! Exit codes: 0 conformant, 1 not conformant, 2 usage error (bad flags, broken scenario
+//! file), 3 harness error (target unreachable, reference server would not start, a scenario
+//! the harness could not judge).
+
+use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+
+use crate::engine::{Outcome, run_with_retries};
+use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict, junit_xml};
+use crate::scenario::{LoadedScenario, ParseError, load_dir};
+use crate::target::{ReferenceOptions, Target, TargetError};
+
+/// Exit code: every MUST scenario of the profile ran and passed.
+pub const EXIT_CONFORMANT: u8 = 0;
+/// Exit code: the profile is partial or non-conformant.
+pub const EXIT_NOT_CONFORMANT: u8 = 1;
+/// Exit code: bad flags or a broken scenario file.
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code: the harness could not do its job (target unreachable, server would not start).
+pub const EXIT_HARNESS: u8 = 3;
+
+const EXIT_CODES_HELP: &str = "Exit codes:
+  0  conformant: every MUST scenario of the profile ran and passed
+  1  not conformant: a MUST scenario failed, was skipped, or none ran
+  2  usage error: bad flags or a broken scenario file
+  3  harness error: target unreachable, reference server would not start,
+     or a scenario the harness could not judge";
+
+/// The built-in catalog: `scenarios/` of this crate's source tree.
+fn default_scenarios_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios")
+}
+
+/// `sandspec run`.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = EXIT_CODES_HELP)]
+pub struct RunArgs {
+    /// Base URL of the implementation under test. Without it the runner starts the reference
+    /// server itself (SQLite in a temporary directory, port 0, test controls on).
+    #[arg(long, value_name = "URL")]
+    pub target: Option<String>,
+    /// Environment variable holding the owner principal's token (with --target).
+    #[arg(long, value_name = "NAME", requires = "target")]
+    pub owner_token_env: Option<String>,
+    /// Environment variable holding the other principal's token (with --target).
+    #[arg(long, value_name = "NAME", requires = "target")]
+    pub other_token_env: Option<String>,
+    /// Environment variable holding the test-controls admin token (with --target).
+    #[arg(long, value_name = "NAME", requires = "target")]
+    pub admin_token_env: Option<String>,
+    /// PEM file of a private CA to trust (only it) for an https target.
+    #[arg(long, value_name = "FILE", requires = "target")]
+    pub ca_file: Option<PathBuf>,
+    /// Treat this feature as advertised even if the target does not say so (repeatable).
+    #[arg(long, value_name = "FEATURE")]
+    pub assume_capability: Vec<String>,
+    /// Treat this feature as missing: its scenarios are skipped (repeatable).
+    #[arg(long, value_name = "FEATURE")]
+    pub drop_capability: Vec<String>,
+    /// Profile to judge: a family folder name, or `all`.
+    #[arg(long, default_value = "all")]
+    pub profile: String,
+    /// Run only scenarios whose ID, title, family or tags contain this text (repeatable; any
+    /// match selects).
+    #[arg(long, value_name = "SUBSTR")]
+    pub filter: Vec<String>,
+    /// Scenarios run at once (exclusive scenarios always run alone).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub jobs: u32,
+    /// Run only shard i of n (1-based), e.g. `2/4`.
+    #[arg(long, value_name = "I/N", value_parser = parse_shard)]
+    pub shard: Option<Shard>,
+    /// Write the evidence folder here instead of `evidence/runs/<run-id>/` (it must not exist
+    /// or be empty).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Write JUnit XML to this file.
+    #[arg(long, value_name = "FILE")]
+    pub junit: Option<PathBuf>,
+    /// Certification run: no filters, no shards, and any skip makes the run non-conformant.
+    #[arg(long)]
+    pub certify: bool,
+    /// Re-run a failed scenario up to N times; a later pass is reported FLAKY.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub retries: u32,
+    /// Start the reference server with this deliberate defect (reference target only).
+    #[arg(long, value_name = "NAME", conflicts_with = "target")]
+    pub defect: Vec<String>,
+    /// Database for the reference server (reference target only).
+    #[arg(long, value_name = "URL", conflicts_with = "target")]
+    pub database_url: Option<String>,
+    /// Scenario catalog directory.
+    #[arg(long, value_name = "DIR", default_value_os_t = default_scenarios_dir())]
+    pub scenarios: PathBuf,
+}
+
+/// `sandspec list`.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = EXIT_CODES_HELP)]
+pub struct ListArgs {
+    /// Scenario catalog directory.
+    #[arg(long, value_name = "DIR", default_value_os_t = default_scenarios_dir())]
+    pub scenarios: PathBuf,
+    /// Only scenarios matching this text (repeatable).
+    #[arg(long, value_name = "SUBSTR")]
+    pub filter: Vec<String>,
+}
+
+/// `--shard i/n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+/// Parses `i/n` with 1 <= i <= n.
+pub fn parse_shard(s: &str) -> Result<Shard, String> {
+    let (i, n) = s.split_once('/').ok_or("expected I/N, e.g. 2/4")?;
+    let index: usize = i
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{i}` is not a number"))?;
+    let count: usize = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{n}` is not a number"))?;
+    if count == 0 || index == 0 || index > count {
+        return Err(format!("shard {index}/{count}: need 1 <= I <= N"));
+    }
+    Ok(Shard { index, count })
+}
+
+/// Whether a scenario matches any filter (no filters: everything matches).
+pub fn matches_filters(s: &LoadedScenario, filters: &[String]) -> bool {
+    filters.is_empty()
+        || filters.iter().any(|f| {
+            let f = f.to_lowercase();
+            let sc = &s.scenario;
+            sc.id.value.to_lowercase().contains(&f)
+                || sc.title.to_lowercase().contains(&f)
+                || s.family.to_lowercase().contains(&f)
+                || sc.tags.iter().any(|t| t.to_lowercase().contains(&f))
+        })
+}
+
+/// Selects the scenarios of one shard: positions `index-1, index-1+n, ...` of the list
+/// sorted by ID, so shards are disjoint and together cover the list.
+pub fn select_shard<T>(items: Vec<T>, shard: Option<Shard>) -> Vec<T> {
+    match shard {
+        None => items,
+        Some(Shard { index, count }) => items
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % count == index - 1)
+            .map(|(_, s)| s)
+            .collect(),
+    }
+}
+
+fn print_parse_errors(errors: &[ParseError]) {
+    for e in errors {
+        eprintln!("error: {e}");
+    }
+}
+
+/// `sandspec list`: ID, level, clauses, title.
+pub fn list(args: &ListArgs) -> ExitCode {
+    let scenarios = match load_dir(&args.scenarios) {
+        Ok(s) => s,
+        Err(errors) => {
+            print_parse_errors(&errors);
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let mut must = 0;
+    let mut should = 0;
+    for s in scenarios
+        .iter()
+        .filter(|s| matches_filters(s, &args.filter))
+    {
+        let sc = &s.scenario;
+        match sc.level {
+            crate::scenario::Level::Must => must += 1,
+            crate::scenario::Level::Should => should += 1,
+        }
+        let clauses: Vec<&str> = sc.clauses.iter().map(|c| c.value.as_str()).collect();
+        println!(
+            "{:<16} {:<6} {:<24} {}",
+            sc.id.value,
+            sc.level,
+            clauses.join(","),
+            sc.title
+        );
+    }
+    println!("{} scenarios ({must} MUST, {should} SHOULD)", must + should);
+    ExitCode::from(EXIT_CONFORMANT)
+}
+
+/// `sandspec run` from a synchronous `main`: builds a tokio runtime and runs [`run`].
+pub fn run_blocking(args: RunArgs) -> ExitCode {
+    match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime.block_on(run(args)),
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            ExitCode::from(EXIT_HARNESS)
+        }
+    }
+}
+
+/// `sandspec run`. Call from an async context (the binary's tokio runtime).
+pub async fn run(args: RunArgs) -> ExitCode {
+    match run_inner(args).await {
+        Ok(code) => ExitCode::from(code),
+        Err(RunError::Usage(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(RunError::Parse(errors)) => {
+            print_parse_errors(&errors);
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(RunError::Harness(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(EXIT_HARNESS)
+        }
+    }
+}
+
+enum RunError {
+    Usage(String),
+    Parse(Vec<ParseError>),
+    Harness(String),
+}
+
+impl From<TargetError> for RunError {
+    fn from(e: TargetError) -> Self {
+        if e.is_usage() {
+            RunError::Usage(e.to_string())
+        } else {
+            RunError::Harness(e.to_string())
+        }
+    }
+}
+
+async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
+    if args.certify && (!args.filter.is_empty() || args.shard.is_some()) {
+        return Err(RunError::Usage(
+            "--certify runs the whole catalog: drop --filter and --shard".into(),
+        ));
+    }
+    // Check the overrides before anything starts.
+    crate::target::Capabilities::default()
+        .override_features(&args.assume_capability, &args.drop_capability)
+        .map_err(RunError::Usage)?;
+    let all = load_dir(&args.scenarios).map_err(RunError::Parse)?;
+    let families: std::collections::BTreeSet<&str> =
+        all.iter().map(|s| s.family.as_str()).collect();
+    if args.profile != "all" && !families.contains(args.profile.as_str()) {
+        let known: Vec<&str> = families.iter().copied().collect();
+        return Err(RunError::Usage(format!(
+            "unknown profile `{}` (known: all, {})",
+            args.profile,
+            known.join(", ")
+        )));
+    }
+    let selected: Vec<LoadedScenario> = all
+        .iter()
+        .filter(|s| args.profile == "all" || s.family == args.profile)
+        .filter(|s| matches_filters(s, &args.filter))
+        .cloned()
+        .collect();
+    let selected = select_shard(selected, args.shard);
+    if selected.is_empty() {
+        return Err(RunError::Usage("no scenario selected".into()));
+    }
+    let started_at = now_rfc3339();
+    let started = Instant::now();
+    let (target, kind) = match &args.target {
+        Some(url) => {
+            let owner = args
+                .owner_token_env
+                .as_deref()
+                .ok_or_else(|| RunError::Usage("--target needs --owner-token-env".into()))?;
+            let other = args
+                .other_token_env
+                .as_deref()
+                .ok_or_else(|| RunError::Usage("--target needs --other-token-env".into()))?;
+            let t = Target::connect_url(
+                url,
+                owner,
+                other,
+                args.admin_token_env.as_deref(),
+                args.ca_file.as_deref(),
+            )
+            .await?;
+            (t, "url")
+        }
+        None => {
+            let binary = std::env::current_exe()
+                .map_err(|e| RunError::Harness(format!("cannot find the sandspec binary: {e}")))?;
+            let options = ReferenceOptions {
+                binary,
+                defects: args.defect.clone(),
+                database_url: args.database_url.clone(),
+                extra_args: Vec::new(),
+            };
+            (Target::start_reference(&options).await?, "reference")
+        }
+    };
+    let mut target = target;
+    target
+        .capabilities
+        .override_features(&args.assume_capability, &args.drop_capability)
+        .map_err(RunError::Usage)?;
+    let run_id = ulid::Ulid::new().to_string().to_lowercase();
+    let target = Arc::new(target);
+    let results = run_all(
+        &target,
+        &selected,
+        &run_id,
+        args.jobs as usize,
+        args.retries,
+    )
+    .await;
+    // Values captured as secrets are known only now; the sanitizer must remove them too.
+    let captured_secrets: Vec<String> = results
+        .iter()
+        .flat_map(|r| r.secrets.iter().cloned())
+        .collect();
+    let scenarios: Vec<ScenarioReport> = selected
+        .iter()
+        .zip(results)
+        .map(|(s, r)| ScenarioReport::new(s, r))
+        .collect();
+    let profiles = RunReport::judge(&scenarios, args.certify);
+    let report = RunReport {
+        run_id,
+        suite_version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at,
+        finished_at: now_rfc3339(),
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        target: TargetInfo {
+            kind: kind.to_owned(),
+            url: target.base_url.clone(),
+            server_name: target.capabilities.server_name.clone(),
+            server_version: target.capabilities.server_version.clone(),
+            defects: args.defect.clone(),
+            capabilities: target.capabilities.raw.clone(),
+        },
+        profile: args.profile.clone(),
+        filters: args.filter.clone(),
+        shard: args.shard.map(|s| s.to_string()),
+        retries: args.retries,
+        certify: args.certify,
+        scenarios,
+        profiles,
+    };
+    let sanitizer = run_sanitizer(&target, &captured_secrets)?;
+    print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
+    write_outputs(&args, &report, &sanitizer, &target.canary).map_err(RunError::Harness)?;
+    let judged = report
+        .profiles
+        .iter()
+        .find(|p| p.profile == "all")
+        .map(|p| p.verdict);
+    if report
+        .scenarios
+        .iter()
+        .any(|s| matches!(s.outcome, Outcome::Error { .. }))
+    {
+        return Ok(EXIT_HARNESS);
+    }
+    Ok(if judged == Some(Verdict::Conformant) {
+        EXIT_CONFORMANT
+    } else {
+        EXIT_NOT_CONFORMANT
+    })
+}
+
+/// Runs non-exclusive scenarios `jobs` at a time, then exclusive ones alone; results come
+/// back in the order of `scenarios`.
+pub async fn run_all(
+    target: &Arc<Target>,
+    scenarios: &[LoadedScenario],
+    run_id: &str,
+    jobs: usize,
+    retries: u32,
+) -> Vec<crate::engine::ScenarioRun> {
+    let progress = Progress::new(scenarios.len());
+    let mut results: Vec<Option<crate::engine::ScenarioRun>> = vec![None; scenarios.len()];
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
+    let mut set = tokio::task::JoinSet::new();
+    for (i, s) in scenarios
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.scenario.exclusive)
+    {
+        let permit = semaphore
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore is never closed");
+        let target = target.clone();
+        let scenario = s.scenario.clone();
+        let run_id = run_id.to_owned();
+        set.spawn(async move {
+            let r = run_with_retries(&target, &scenario, &run_id, retries).await;
+            drop(permit);
+            (i, r)
+        });
+        while let Some(done) = set.try_join_next() {
+            let (i, r) = done.expect("scenario task panicked");
+            progress.done(&scenarios[i], &r);
+            results[i] = Some(r);
+        }
+    }
+    while let Some(done) = set.join_next().await {
+        let (i, r) = done.expect("scenario task panicked");
+        progress.done(&scenarios[i], &r);
+        results[i] = Some(r);
+    }
+    for (i, s) in scenarios
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.scenario.exclusive)
+    {
+        let r = run_with_retries(target, &s.scenario, run_id, retries).await;
+        progress.done(s, &r);
+        results[i] = Some(r);
+    }
+    progress.finish();
+    results
+        .into_iter()
+        .map(|r| r.expect("every scenario ran"))
+        .collect()
+}
+
+/// A progress bar on a terminal, one line per scenario otherwise (CI logs).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}")
+            {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress { bar }
+    }
+
+    fn done(&self, s: &LoadedScenario, r: &crate::engine::ScenarioRun) {
+        let line = match r.outcome.reason() {
+            Some(reason) => format!(
+                "{:<5} {} ({} ms): {reason}",
+                r.outcome.label(),
+                s.id(),
+                r.duration_ms
+            ),
+            None => format!("{:<5} {} ({} ms)", r.outcome.label(), s.id(), r.duration_ms),
+        };
+        match &self.bar {
+            Some(bar) => {
+                if !r.outcome.passed() {
+                    bar.println(line);
+                }
+                bar.set_message(s.id().to_owned());
+                bar.inc(1);
+            }
+            None => eprintln!("{line}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn print_summary(report: &RunReport) {
+    println!();
+    println!(
+        "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
+        "profile", "verdict", "PASS", "FLAKY", "SKIP", "FAIL", "ERROR", "MUST"
+    );
+    for p in &report.profiles {
+        let c = |k: &str| p.counts.get(k).copied().unwrap_or(0);
+        println!(
+            "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
+            p.profile,
+            p.verdict.to_string(),
+            c("PASS"),
+            c("FLAKY"),
+            c("SKIP"),
+            c("FAIL"),
+            c("ERROR"),
+            p.must_run
+        );
+    }
+    for p in report.profiles.iter().filter(|p| p.profile == "all") {
+        if let Some(reason) = &p.reason {
+            println!("\n{}: {reason}", p.verdict);
+        }
+    }
+    let failed: Vec<&str> = report
+        .scenarios
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Fail { .. } | Outcome::Error { .. }))
+        .map(|s| s.id.as_str())
+        .collect();
+    if !failed.is_empty() {
+        println!("failed: {}", failed.join(" "));
+    }
+}
+
+/// The run's sanitizer: the principals' tokens and every value captured as a secret.
+fn run_sanitizer(
+    target: &Target,
+    captured: &[String],
+) -> Result<crate::evidence::Sanitizer, RunError> {
+    let mut sanitizer = crate::evidence::for_tokens(&target.tokens).map_err(|e| {
+        RunError::Usage(format!("cannot protect the target's tokens in evidence: {e}"))
+    })?;
+    for (i, value) in captured.iter().enumerate() {
+        // A captured secret too short to redact reliably is refused by the sanitizer; the
+        // leak scan still runs over everything that is written.
+        if sanitizer.add_secret(value, &format!("captured-secret-{i}")).is_err() {
+            eprintln!("warning: a captured secret is too short to be redacted by value");
+        }
+    }
+    Ok(sanitizer)
+}
+
+/// Writes the evidence folder (always: `--out`, or `evidence/runs/<run-id>/`) and the
+/// optional JUnit file. Everything goes through the sanitizer; the writer refuses to write a
+/// folder in which a secret or the run's canary survives.
+fn write_outputs(
+    args: &RunArgs,
+    report: &RunReport,
+    sanitizer: &crate::evidence::Sanitizer,
+    canary: &str,
+) -> Result<(), String> {
+    use crate::evidence::{Subject, WriteOptions, default_run_dir, write_run_folder};
+    let dest = args
+        .out
+        .clone()
+        .unwrap_or_else(|| default_run_dir(Path::new("."), &report.run_id));
+    let subject = Subject::for_target(&report.target)
+        .map_err(|e| format!("cannot identify the tested build: {e}"))?;
+    let options = WriteOptions {
+        canary: canary.to_owned(),
+        subject,
+        interrupted: false,
+        not_run: Vec::new(),
+    };
+    let written = write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;
+    eprintln!("evidence: {}", written.display());
+    if let Some(file) = &args.junit {
+        let junit = junit_xml(&crate::evidence::sanitized_report(report, sanitizer));
+        std::fs::write(file, junit)
+            .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
+    Ok(())
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_parsing() {
+        assert_eq!(parse_shard("2/4"), Ok(Shard { index: 2, count: 4 }));
+        assert!(parse_shard("0/4").is_err());
+        assert!(parse_shard("5/4").is_err());
+        assert!(parse_shard("1/0").is_err());
+        assert!(parse_shard("x").is_err());
+    }
+
+    #[test]
+    fn shards_are_disjoint_and_cover_everything() {
+        let items: Vec<u32> = (0..11).collect();
+        let mut seen = Vec::new();
+        for index in 1..=3 {
+            let part = select_shard(items.clone(), Some(Shard { index, count: 3 }));
+            assert!(part.len() == 3 || part.len() == 4);
+            seen.extend(part);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, items);
+        assert_eq!(
+            select_shard(items.clone(), Some(Shard { index: 2, count: 3 })),
+            vec![1, 4, 7, 10]
+        );
+        assert_eq!(select_shard(items.clone(), None), items);
+    }
+}

@@ -1,0 +1,1385 @@
+//! Runs one scenario against a target: steps in order until one fails, then every cleanup
+//! step, then a sweep of anything the run created and did not remove.
+//!
+//! FAIL versus ERROR: whatever the target answered (a wrong status, HTML where JSON was
+//! required, a broken SSE frame, a connection it reset, a response that never came) is the
+//! target's failure. ERROR is kept for what says nothing about the target: it could not be
+//! connected to at all, or the harness itself could not carry out a step (a variable with no
+//! value in a non-cleanup step).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::expect::{Observed, capture, check_response, json_check, problem_code, status_ok};
+use super::outcome::Outcome;
+use super::transcript::{
+    Body, Credential, Entry, Frame, HttpExchange, Note, SseExchange, record_headers,
+};
+use super::vars::{VarError, Vars};
+use crate::scenario::{
+    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until,
+};
+use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
+use crate::target::{Target, describe_reqwest};
+
+/// `(event type, id)` per event, as an interop probe saw them.
+type Seen = Vec<(String, Option<String>)>;
+
+/// What an interop probe returned: `None` when it did not run.
+type Probed = Option<Result<Seen, String>>;
+
+/// How long one plain request may take.
+/// The header that carries the run's canary secret on every request.
+pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default deadline of an `sse` step.
+const DEFAULT_SSE_DEADLINE_S: i64 = 30;
+/// Pages an absence check or snapshot reads at most.
+const MAX_PAGES: usize = 50;
+
+/// Everything one scenario run produced.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScenarioRun {
+    pub outcome: Outcome,
+    pub duration_ms: u64,
+    /// Named measurements in seconds (time to first SSE frame, time to EOF, ...).
+    pub measurements: BTreeMap<String, f64>,
+    /// Resources the sweep had to remove after cleanup.
+    pub swept: Vec<String>,
+    pub transcript: Vec<Entry>,
+    pub attempts: u32,
+    /// Values of captures marked `secret: true`, for the sanitizer. Never serialized.
+    #[serde(skip)]
+    pub secrets: Vec<String>,
+}
+
+/// Runs `scenario` with up to `retries` extra attempts after a FAIL; a later pass is FLAKY.
+pub async fn run_with_retries(
+    target: &Target,
+    scenario: &Scenario,
+    run_id: &str,
+    retries: u32,
+) -> ScenarioRun {
+    let mut first = run_scenario(target, scenario, run_id).await;
+    if !matches!(first.outcome, Outcome::Fail { .. }) {
+        return first;
+    }
+    for attempt in 2..=retries + 1 {
+        let mut again = run_scenario(target, scenario, run_id).await;
+        if again.outcome == Outcome::Pass {
+            again.outcome = Outcome::Flaky {
+                attempts: attempt,
+                first_failure: first.outcome.reason().unwrap_or_default(),
+            };
+            again.attempts = attempt;
+            return again;
+        }
+        first.attempts = attempt;
+    }
+    first
+}
+
+/// Runs `scenario` once.
+pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) -> ScenarioRun {
+    let started = Instant::now();
+    let mut run = ScenarioRun {
+        outcome: Outcome::Pass,
+        duration_ms: 0,
+        measurements: BTreeMap::new(),
+        swept: Vec::new(),
+        transcript: Vec::new(),
+        attempts: 1,
+        secrets: Vec::new(),
+    };
+    if let Some(reason) = skip_reason(target, scenario) {
+        run.outcome = Outcome::Skip { reason };
+        return run;
+    }
+    let mut ctx = Ctx {
+        target,
+        vars: Vars::new(run_id, &target.capabilities, &target.canary),
+        started,
+        transcript: Vec::new(),
+        measurements: BTreeMap::new(),
+        digests: BTreeMap::new(),
+        snapshots: BTreeMap::new(),
+        ledger: Vec::new(),
+        saw_success: false,
+        secrets: Vec::new(),
+    };
+    let mut outcome = Outcome::Pass;
+    for (i, step) in scenario.steps.iter().enumerate() {
+        let label = format!("steps[{i}] {}", describe(step));
+        if let Err(e) = ctx.step(step, &label).await {
+            outcome = e.into_outcome(label);
+            break;
+        }
+    }
+    for (i, step) in scenario.cleanup.iter().enumerate() {
+        let label = format!("cleanup[{i}] {}", describe(step));
+        match ctx.step(step, &label).await {
+            Ok(()) => {}
+            // A cleanup step for something that was never created has nothing to do.
+            Err(StepError::Var(VarError::Missing(name))) => {
+                ctx.note(format!("{label}: skipped, `{name}` was never captured"))
+            }
+            Err(e) => outcome = outcome.combine(e.into_outcome(label)),
+        }
+    }
+    outcome = outcome.combine(ctx.sweep().await);
+    // No vacuous passes: a scenario none of whose requests succeeded proves nothing, unless
+    // that is its point (every step expected an error status).
+    if outcome == Outcome::Pass && !ctx.saw_success && expects_some_success(scenario) {
+        outcome = Outcome::Fail {
+            step: "scenario".into(),
+            reason: "no request succeeded".into(),
+        };
+    }
+    run.outcome = outcome;
+    run.duration_ms = ms(started.elapsed());
+    run.measurements = ctx.measurements;
+    run.swept = ctx
+        .ledger
+        .iter()
+        .filter(|l| l.swept)
+        .map(|l| l.path.clone())
+        .collect();
+    run.transcript = ctx.transcript;
+    run.secrets = ctx.secrets;
+    run
+}
+
+/// Why a scenario cannot run against this target, if it cannot.
+pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
+    for cap in &scenario.requires {
+        if !target.capabilities.has(&cap.value) {
+            let advertised = target.capabilities.raw["features"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|f| f.as_str() == Some(cap.value.as_str())));
+            return Some(if advertised {
+                format!("`{}` dropped by --drop-capability", cap.value)
+            } else {
+                format!("target does not advertise `{}`", cap.value)
+            });
+        }
+    }
+    if target.tokens.admin.is_none() && uses_admin(scenario) {
+        return Some("no admin token (--admin-token-env)".into());
+    }
+    None
+}
+
+fn uses_admin(s: &Scenario) -> bool {
+    s.steps.iter().chain(&s.cleanup).any(|step| match step {
+        Step::Digest(_) | Step::ExpectDigestUnchanged(_) => true,
+        Step::Request(r) => r.principal == Principal::Admin,
+        Step::Poll(p) => p.request.principal == Principal::Admin,
+        Step::Parallel(p) => p
+            .request
+            .iter()
+            .chain(&p.requests)
+            .any(|r| r.principal == Principal::Admin),
+        Step::Sse(s) => s.principal == Principal::Admin,
+        _ => false,
+    })
+}
+
+/// Whether some step of the scenario expects a 2xx (then at least one must have happened).
+fn expects_some_success(s: &Scenario) -> bool {
+    let ok = |e: &crate::scenario::Expect| match (e.status, e.status_in.as_slice()) {
+        (Some(st), _) => (200..300).contains(&st),
+        (None, []) => true,
+        (None, list) => list.iter().any(|st| (200..300).contains(st)),
+    };
+    s.steps.iter().any(|step| match step {
+        Step::Request(r) => ok(&r.expect),
+        Step::Poll(p) => ok(&p.request.expect),
+        Step::Sse(s) => ok(&s.expect),
+        _ => false,
+    })
+}
+
+fn describe(step: &Step) -> String {
+    let req = |r: &Request| match &r.name {
+        Some(n) => n.clone(),
+        None => format!("{} {}", r.method.as_str(), r.path.raw),
+    };
+    match step {
+        Step::Request(r) => req(r),
+        Step::Poll(p) => format!("poll {}", req(&p.request)),
+        Step::Sse(s) => s
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("sse {}", s.path.raw)),
+        other => other.kind().to_owned(),
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// How a step went wrong.
+#[derive(Debug)]
+enum StepError {
+    /// The target misbehaved.
+    Fail(String),
+    /// The harness could not carry on.
+    Error(String),
+    Var(VarError),
+}
+
+impl StepError {
+    fn into_outcome(self, step: String) -> Outcome {
+        match self {
+            StepError::Fail(reason) => Outcome::Fail { step, reason },
+            StepError::Error(reason) => Outcome::Error {
+                reason: format!("{step}: {reason}"),
+            },
+            // A limit the target does not advertise is the target's omission.
+            StepError::Var(e @ VarError::NotAdvertised(_)) => Outcome::Fail {
+                step,
+                reason: e.to_string(),
+            },
+            StepError::Var(e) => Outcome::Error {
+                reason: format!("{step}: {e}"),
+            },
+        }
+    }
+}
+
+impl From<VarError> for StepError {
+    fn from(e: VarError) -> Self {
+        StepError::Var(e)
+    }
+}
+
+/// Something the run created, to be swept if cleanup left it.
+struct Created {
+    /// Path of the object, e.g. `/v1/sandboxes/local:sbx_...`.
+    path: String,
+    principal: Principal,
+    swept: bool,
+}
+
+/// State of one scenario run.
+struct Ctx<'a> {
+    target: &'a Target,
+    vars: Vars<'a>,
+    started: Instant,
+    transcript: Vec<Entry>,
+    measurements: BTreeMap<String, f64>,
+    digests: BTreeMap<String, String>,
+    /// Named API-level snapshots: principal and the set of object IDs it owned.
+    snapshots: BTreeMap<String, (Principal, BTreeSet<String>)>,
+    /// Sandboxes and snapshots this run created (from 201 responses).
+    ledger: Vec<Created>,
+    /// Whether any request was answered 2xx (for the vacuity rule).
+    saw_success: bool,
+    /// Values of captures marked secret.
+    secrets: Vec<String>,
+}
+
+/// A request ready to send.
+struct Prepared {
+    method: Method,
+    target: String,
+    principal: Principal,
+    headers: Vec<(String, String)>,
+    literal_auth: bool,
+    body: Option<(Vec<u8>, String)>,
+}
+
+impl<'a> Ctx<'a> {
+    fn at(&self) -> u64 {
+        ms(self.started.elapsed())
+    }
+
+    fn note(&mut self, text: String) {
+        let at_ms = self.at();
+        self.transcript.push(Entry::Note(Note { at_ms, text }));
+    }
+
+    async fn step(&mut self, step: &Step, label: &str) -> Result<(), StepError> {
+        match step {
+            Step::Request(r) => self.request(r, label).await,
+            Step::Poll(p) => self.poll(p, label).await,
+            Step::Sse(s) => self.sse(s, label).await,
+            Step::Digest(d) => {
+                let digest = self.digest(label).await?;
+                self.digests.insert(d.into.value.clone(), digest);
+                Ok(())
+            }
+            Step::ExpectDigestUnchanged(since) => {
+                let now = self.digest(label).await?;
+                let before = &self.digests[&since.since.value];
+                if &now == before {
+                    Ok(())
+                } else {
+                    Err(StepError::Fail(format!(
+                        "durable-state digest changed since `{}`",
+                        since.since.value
+                    )))
+                }
+            }
+            Step::Snapshot(s) => {
+                let set = self.owned(s.principal, label).await?;
+                self.snapshots
+                    .insert(s.into.value.clone(), (s.principal, set));
+                Ok(())
+            }
+            Step::ExpectSnapshotUnchanged(since) => {
+                let (principal, before) = self.snapshots[&since.since.value].clone();
+                let now = self.owned(principal, label).await?;
+                let added: Vec<_> = now.difference(&before).cloned().collect();
+                let removed: Vec<_> = before.difference(&now).cloned().collect();
+                if added.is_empty() && removed.is_empty() {
+                    Ok(())
+                } else {
+                    Err(StepError::Fail(format!(
+                        "what {principal} owns changed since `{}`: added {added:?}, removed {removed:?}",
+                        since.since.value
+                    )))
+                }
+            }
+            Step::Parallel(p) => self.parallel(p, label).await,
+            Step::Sleep(s) => {
+                tokio::time::sleep(Duration::from_millis(s.ms.value)).await;
+                Ok(())
+            }
+            Step::Absent(a) => self.absent(a, label).await,
+        }
+    }
+
+    fn token(&self, principal: Principal) -> Option<&str> {
+        match principal {
+            Principal::Owner => Some(&self.target.tokens.owner),
+            Principal::Other => Some(&self.target.tokens.other),
+            Principal::Admin => self.target.tokens.admin.as_deref(),
+            Principal::Anonymous => None,
+        }
+    }
+
+    fn prepare(&self, r: &Request) -> Result<Prepared, StepError> {
+        let path = self.vars.render(&r.path)?;
+        let mut query = Vec::new();
+        for (k, v) in &r.query {
+            query.push((k.clone(), self.vars.render(v)?));
+        }
+        let mut headers = vec![(CANARY_HEADER.to_owned(), self.target.canary.clone())];
+        let mut literal_auth = false;
+        for (k, v) in &r.headers {
+            if k.eq_ignore_ascii_case("authorization") {
+                literal_auth = true;
+            }
+            headers.push((k.clone(), self.vars.render(v)?));
+        }
+        let body = if let Some(json) = &r.json {
+            let value = self.vars.render_json(&json.value)?;
+            Some((
+                serde_json::to_vec(&value).expect("JSON values serialize"),
+                "application/json".to_owned(),
+            ))
+        } else if let Some(t) = &r.body_text {
+            Some((
+                self.vars.render(t)?.into_bytes(),
+                "text/plain; charset=utf-8".to_owned(),
+            ))
+        } else if let Some(b) = &r.body_base64 {
+            use base64::Engine as _;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b.value.as_bytes())
+                .unwrap_or_default();
+            Some((bytes, "application/octet-stream".to_owned()))
+        } else {
+            None
+        };
+        let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
+        Ok(Prepared {
+            method: r.method,
+            target: with_query(&path, &query),
+            principal: r.principal,
+            headers,
+            literal_auth,
+            body,
+        })
+    }
+
+    fn builder(&self, client: &reqwest::Client, p: &Prepared) -> reqwest::RequestBuilder {
+        let method =
+            reqwest::Method::from_bytes(p.method.as_str().as_bytes()).expect("known method");
+        let mut b = client.request(method, format!("{}{}", self.target.base_url, p.target));
+        if !p.literal_auth
+            && let Some(token) = self.token(p.principal)
+        {
+            b = b.bearer_auth(token);
+        }
+        for (k, v) in &p.headers {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        if let Some((body, ct)) = &p.body {
+            if !p
+                .headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+            {
+                b = b.header(reqwest::header::CONTENT_TYPE, ct.as_str());
+            }
+            b = b.body(body.clone());
+        }
+        b
+    }
+
+    fn credential(&self, p: &Prepared) -> Credential {
+        if p.literal_auth {
+            Credential::ScenarioLiteral
+        } else if p.principal == Principal::Anonymous {
+            Credential::None
+        } else {
+            Credential::Principal(p.principal)
+        }
+    }
+
+    /// Sends a prepared request and records it. Transport errors are classified here.
+    async fn send(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+    ) -> Result<Observed, StepError> {
+        let at_ms = self.at();
+        let sent = Instant::now();
+        let result = self
+            .builder(client, p)
+            .timeout(REQUEST_TIMEOUT)
+            .send()
+            .await;
+        let mut exchange = HttpExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: self.credential(p),
+            method: p.method.as_str().to_owned(),
+            target: p.target.clone(),
+            request_headers: p
+                .headers
+                .iter()
+                .filter(|(k, _)| !k.eq_ignore_ascii_case("authorization"))
+                .cloned()
+                .collect(),
+            request_body: p.body.as_ref().map(|(b, _)| Body::of(b)),
+            status: None,
+            response_headers: Vec::new(),
+            response_body: None,
+            duration_ms: 0,
+            error: None,
+        };
+        let outcome = match result {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let headers = response.headers().clone();
+                match response.bytes().await {
+                    Ok(body) => Ok(Observed {
+                        status,
+                        headers,
+                        body,
+                    }),
+                    Err(e) => Err((describe_reqwest(&e), false)),
+                }
+            }
+            Err(e) => Err((describe_reqwest(&e), e.is_connect())),
+        };
+        exchange.duration_ms = ms(sent.elapsed());
+        let result = match outcome {
+            Ok(obs) => {
+                exchange.status = Some(obs.status);
+                exchange.response_headers = record_headers(&obs.headers);
+                exchange.response_body = Some(Body::of(&obs.body));
+                if (200..300).contains(&obs.status) {
+                    self.saw_success = true;
+                }
+                self.remember_created(p, &obs);
+                Ok(obs)
+            }
+            Err((reason, connect)) => {
+                exchange.error = Some(reason.clone());
+                if connect {
+                    Err(StepError::Error(format!(
+                        "{}: {reason}",
+                        self.target.base_url
+                    )))
+                } else {
+                    Err(StepError::Fail(format!("no response: {reason}")))
+                }
+            }
+        };
+        self.transcript.push(Entry::Http(exchange));
+        result
+    }
+
+    /// Adds sandboxes and snapshots created by a 201 to the ledger.
+    fn remember_created(&mut self, p: &Prepared, obs: &Observed) {
+        if p.method != Method::Post || obs.status != 201 {
+            return;
+        }
+        let path = p.target.split('?').next().unwrap_or_default();
+        let kind = if path == "/v1/sandboxes" {
+            "sandboxes"
+        } else if path.starts_with("/v1/sandboxes/") && path.ends_with("/snapshots") {
+            "snapshots"
+        } else {
+            return;
+        };
+        if let Some(id) = obs
+            .json()
+            .ok()
+            .and_then(|j| j.get("id").and_then(Value::as_str).map(str::to_owned))
+        {
+            let path = format!("/v1/{kind}/{id}");
+            if !self.ledger.iter().any(|c| c.path == path) {
+                self.ledger.push(Created {
+                    path,
+                    principal: p.principal,
+                    swept: false,
+                });
+            }
+        }
+    }
+
+    fn judge(&mut self, r: &Request, obs: &Observed) -> Result<(), StepError> {
+        let mut failures = Vec::new();
+        if let Err(msg) = status_ok(&r.expect, obs.status, None) {
+            // The other checks would only repeat that this is the wrong response.
+            return Err(StepError::Fail(with_problem(msg, obs)));
+        }
+        failures.extend(check_response(&r.expect, obs, &self.vars));
+        if !failures.is_empty() {
+            return Err(StepError::Fail(failures.join("; ")));
+        }
+        let mut captured = Vec::new();
+        for (name, c) in &r.capture {
+            let value = capture(&c.value, obs).map_err(StepError::Fail)?;
+            if c.value.secret {
+                self.secrets.push(super::vars::scalar_text(&value));
+            }
+            captured.push((name.clone(), value));
+        }
+        self.vars.captures.extend(captured);
+        Ok(())
+    }
+
+    async fn request(&mut self, r: &Request, label: &str) -> Result<(), StepError> {
+        let p = self.prepare(r)?;
+        let client = self.target.client.clone();
+        let obs = self.send(&client, &p, label).await?;
+        self.judge(r, &obs)
+    }
+
+    async fn poll(&mut self, p: &Poll, label: &str) -> Result<(), StepError> {
+        let within = Duration::from_secs(u64::try_from(self.vars.num(&p.within_s)?).unwrap_or(0));
+        let every = Duration::from_millis(p.every_ms.unwrap_or(200));
+        let deadline = Instant::now() + within;
+        let client = self.target.client.clone();
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let prepared = self.prepare(&p.request)?;
+            let recorded = self.transcript.len();
+            let obs = self.send(&client, &prepared, label).await?;
+            match self.judge(&p.request, &obs) {
+                Ok(()) => return Ok(()),
+                Err(StepError::Fail(msg)) => {
+                    if Instant::now() + every > deadline {
+                        return Err(StepError::Fail(format!(
+                            "still not holding after {attempts} attempts in {}s: {msg}",
+                            within.as_secs()
+                        )));
+                    }
+                    // Keep the transcript readable: only the first and the last attempts.
+                    if attempts > 1 {
+                        self.transcript.remove(recorded);
+                    }
+                }
+                Err(other) => return Err(other),
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    async fn sse(&mut self, s: &Sse, label: &str) -> Result<(), StepError> {
+        let path = self.vars.render(&s.path)?;
+        let mut query = Vec::new();
+        for (k, v) in &s.query {
+            query.push((k.clone(), self.vars.render(v)?));
+        }
+        let mut headers = vec![
+            (
+                "Accept".to_owned(),
+                s.accept
+                    .clone()
+                    .unwrap_or_else(|| "text/event-stream".into()),
+            ),
+            (CANARY_HEADER.to_owned(), self.target.canary.clone()),
+        ];
+        let mut literal_auth = false;
+        for (k, v) in &s.headers {
+            literal_auth |= k.eq_ignore_ascii_case("authorization");
+            headers.push((k.clone(), self.vars.render(v)?));
+        }
+        let last_event_id = s
+            .last_event_id
+            .as_ref()
+            .map(|t| self.vars.render(t))
+            .transpose()?;
+        if let Some(id) = &last_event_id {
+            headers.push(("Last-Event-ID".to_owned(), id.clone()));
+        }
+        let resume_after: Option<u64> = last_event_id
+            .as_deref()
+            .or_else(|| {
+                query
+                    .iter()
+                    .find(|(k, _)| k == "after")
+                    .map(|(_, v)| v.as_str())
+            })
+            .and_then(|v| v.parse().ok());
+        let prepared = Prepared {
+            method: Method::Get,
+            target: with_query(&path, &query),
+            principal: s.principal,
+            headers,
+            literal_auth,
+            body: None,
+        };
+        let deadline_s = s
+            .within_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?
+            .unwrap_or(DEFAULT_SSE_DEADLINE_S);
+        let deadline = Duration::from_secs(u64::try_from(deadline_s).unwrap_or(0));
+        let heartbeat = s
+            .expect_heartbeat_within_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?;
+        let at_ms = self.at();
+        let sent = Instant::now();
+        // No total timeout: the read below has its own deadline.
+        let result = self.builder(&self.target.client, &prepared).send().await;
+        let mut exchange = SseExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: self.credential(&prepared),
+            target: prepared.target.clone(),
+            last_event_id: last_event_id.clone(),
+            status: None,
+            response_headers: Vec::new(),
+            frames: Vec::new(),
+            first_frame_ms: None,
+            eof_ms: None,
+            end: String::new(),
+        };
+        let response = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let reason = describe_reqwest(&e);
+                exchange.end = format!("error: {reason}");
+                self.transcript.push(Entry::Sse(exchange));
+                return Err(if e.is_connect() {
+                    StepError::Error(reason)
+                } else {
+                    StepError::Fail(format!("no response: {reason}"))
+                });
+            }
+        };
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        exchange.status = Some(status);
+        exchange.response_headers = record_headers(&headers);
+        let mut failures = Vec::new();
+        let status_check = status_ok(&s.expect, status, Some(200));
+        if status == 200
+            && let Err(msg) = status_check
+        {
+            // A stream where none was expected: do not wait for it to end.
+            exchange.end = "unexpected stream".into();
+            self.transcript.push(Entry::Sse(exchange));
+            return Err(StepError::Fail(msg));
+        }
+        if status != 200 {
+            // Not a stream: judge the response like any other.
+            let body = tokio::time::timeout(REQUEST_TIMEOUT, response.bytes())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            exchange.end = "not a stream".into();
+            self.transcript.push(Entry::Sse(exchange));
+            let obs = Observed {
+                status,
+                headers,
+                body,
+            };
+            if let Err(msg) = status_check {
+                return Err(StepError::Fail(with_problem(msg, &obs)));
+            }
+            failures.extend(check_response(&s.expect, &obs, &self.vars));
+            return if failures.is_empty() {
+                Ok(())
+            } else {
+                Err(StepError::Fail(failures.join("; ")))
+            };
+        }
+        self.saw_success = true;
+        let obs_head = Observed {
+            status,
+            headers: headers.clone(),
+            body: bytes::Bytes::new(),
+        };
+        failures.extend(check_response(&s.expect, &obs_head, &self.vars));
+        let content_type = obs_head.content_type().to_owned();
+        if !content_type.starts_with("text/event-stream") {
+            failures.push(format!(
+                "content-type `{content_type}`, expected text/event-stream"
+            ));
+        }
+        let stop = match &s.until {
+            Until::Eof => Stop::Eof,
+            Until::Events(n) => Stop::Events(*n as usize),
+            Until::Event(t) => Stop::Event(t.clone()),
+        };
+        // The interop probe reads the same stream at the same time, so it costs no time.
+        let probe = self.interop_probe(s, &prepared, last_event_id.clone(), stop.clone(), deadline);
+        let strict = read_stream(
+            response,
+            sent,
+            stop,
+            s.cut_after.map(|n| n as usize),
+            deadline,
+        );
+        let (record, probed) = tokio::join!(strict, probe);
+        exchange.first_frame_ms = record.first_frame.map(ms);
+        exchange.eof_ms = record.eof.map(ms);
+        exchange.end = format!("{:?}", record.end);
+        let mut framing = Framing::after(resume_after);
+        let mut events = Vec::new();
+        for timed in &record.items {
+            let at_ms = ms(timed.at);
+            match &timed.item {
+                Item::Event(e) => {
+                    exchange.frames.push(Frame::Event {
+                        at_ms,
+                        event: e.event.clone(),
+                        id: e.id.clone(),
+                        data: e.data.clone(),
+                    });
+                    if s.strict_framing {
+                        for fault in framing.check(e) {
+                            failures.push(format!("framing: {fault}"));
+                        }
+                    }
+                    events.push(e.clone());
+                }
+                Item::Comment(text) => exchange.frames.push(Frame::Comment {
+                    at_ms,
+                    text: text.clone(),
+                }),
+                Item::Retry(n) => exchange.frames.push(Frame::Retry { at_ms, ms: *n }),
+                Item::Fault(fault) => {
+                    exchange.frames.push(Frame::Fault {
+                        at_ms,
+                        fault: fault.to_string(),
+                    });
+                    if s.strict_framing {
+                        failures.push(format!("framing: {fault}"));
+                    }
+                }
+            }
+        }
+        self.transcript.push(Entry::Sse(exchange));
+        match (&record.end, &s.until, s.cut_after) {
+            (EndReason::BodyError(e), _, _) => failures.push(format!("stream broke: {e}")),
+            (EndReason::Cut, _, Some(_))
+            | (EndReason::Stopped, _, _)
+            | (EndReason::Eof, Until::Eof, None) => {}
+            (EndReason::Deadline, _, _) => failures.push(format!(
+                "stream did not reach its end condition within {deadline_s}s ({} events)",
+                events.len()
+            )),
+            (EndReason::Eof, _, Some(n)) => failures.push(format!(
+                "stream ended after {} events, before the cut at {n}",
+                events.len()
+            )),
+            (EndReason::Eof, until, None) => failures.push(format!(
+                "stream ended before {until:?} ({} events)",
+                events.len()
+            )),
+            (EndReason::Cut, _, None) => {}
+        }
+        if s.expect_none {
+            if !events.is_empty() {
+                failures.push(format!("expected no events, got {}", events.len()));
+            }
+        } else if events.is_empty() {
+            failures.push("stream delivered no events".into());
+        }
+        if s.exact && events.len() != s.events.len() {
+            failures.push(format!(
+                "{} events, expected exactly {}",
+                events.len(),
+                s.events.len()
+            ));
+        }
+        for (i, check) in s.events.iter().enumerate() {
+            let Some(event) = events.get(i) else {
+                failures.push(format!(
+                    "event #{i} expected, stream delivered {}",
+                    events.len()
+                ));
+                break;
+            };
+            if let Some(want) = &check.event
+                && &event.event != want
+            {
+                failures.push(format!(
+                    "event #{i} is `{}`, expected `{want}`",
+                    event.event
+                ));
+            }
+            if let Some(id) = &check.id {
+                let want = self.vars.render(id)?;
+                if event.id.as_deref() != Some(want.as_str()) {
+                    failures.push(format!("event #{i} id {:?}, expected {want:?}", event.id));
+                }
+            }
+            if !check.data.is_empty() {
+                match serde_json::from_str::<Value>(&event.data) {
+                    Ok(data) => {
+                        for c in &check.data {
+                            if let Err(msg) = json_check(c, &data, &self.vars) {
+                                failures.push(format!("event #{i} data {msg}"));
+                            }
+                        }
+                    }
+                    Err(_) => failures.push(format!("event #{i} data is not JSON")),
+                }
+            }
+        }
+        if let Some(limit) = heartbeat {
+            let limit = Duration::from_secs(u64::try_from(limit).unwrap_or(0));
+            if record.longest_silence > limit {
+                failures.push(format!(
+                    "silent for {:.1}s, heartbeats due every {}s",
+                    record.longest_silence.as_secs_f64(),
+                    limit.as_secs()
+                ));
+            }
+        }
+        if let Some(seen) = probed
+            && matches!(
+                record.end,
+                EndReason::Eof | EndReason::Stopped | EndReason::Cut
+            )
+            && !events.is_empty()
+            && let Some(msg) = self.compare_interop(seen, &events)
+        {
+            failures.push(msg);
+        }
+        if let Some(name) = &s.measure_first_frame {
+            match record.first_frame {
+                Some(t) => {
+                    self.measurements.insert(name.clone(), t.as_secs_f64());
+                }
+                None => failures.push("no frame arrived to measure".into()),
+            }
+        }
+        if let Some(name) = &s.measure_eof {
+            match record.eof {
+                Some(t) => {
+                    self.measurements.insert(name.clone(), t.as_secs_f64());
+                }
+                None => failures
+                    .push("the stream did not end, so time to EOF cannot be measured".into()),
+            }
+        }
+        if !failures.is_empty() {
+            return Err(StepError::Fail(failures.join("; ")));
+        }
+        if let Some(name) = &s.capture_last_id {
+            let last = events
+                .iter()
+                .rev()
+                .find_map(|e| e.id.clone())
+                .unwrap_or(record.last_event_id);
+            self.vars
+                .captures
+                .insert(name.value.clone(), Value::String(last));
+        }
+        Ok(())
+    }
+
+    /// Reads the same stream with `eventsource-client`; a difference in event types or ids
+    /// is a failure message. Only plain-HTTP targets are probed (the probe has no TLS stack).
+    /// Reads the same stream with `eventsource-client`, when the `interop` feature is on and
+    /// the step allows it. Only plain-HTTP targets are probed (the probe has no TLS stack),
+    /// and only streams authenticated as a principal with no extra headers.
+    fn interop_probe(
+        &self,
+        s: &Sse,
+        p: &Prepared,
+        last_event_id: Option<String>,
+        stop: Stop,
+        deadline: Duration,
+    ) -> impl std::future::Future<Output = Probed> + use<> {
+        let plain = self.target.base_url.starts_with("http://")
+            && !p.literal_auth
+            && p.headers
+                .iter()
+                .all(|(k, _)| k == "Accept" || k == "Last-Event-ID")
+            && p.headers
+                .iter()
+                .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));
+        let enabled = cfg!(feature = "interop") && s.interop && plain;
+        let url = format!("{}{}", self.target.base_url, p.target);
+        let bearer = self.token(p.principal).map(str::to_owned);
+        let cut_after = s.cut_after.map(|n| n as usize);
+        async move {
+            if !enabled {
+                return None;
+            }
+            #[cfg(feature = "interop")]
+            {
+                Some(
+                    crate::sse::interop::consume(
+                        url,
+                        bearer,
+                        last_event_id,
+                        stop,
+                        cut_after,
+                        deadline,
+                    )
+                    .await,
+                )
+            }
+            #[cfg(not(feature = "interop"))]
+            {
+                let _ = (url, bearer, last_event_id, stop, cut_after, deadline);
+                None
+            }
+        }
+    }
+
+    /// A failure message when `eventsource-client` saw other event types or ids than the
+    /// strict parser.
+    fn compare_interop(
+        &mut self,
+        seen: Result<Seen, String>,
+        events: &[crate::sse::Event],
+    ) -> Option<String> {
+        let seen = match seen {
+            Ok(seen) => seen,
+            Err(e) => return Some(format!("interop: {e}")),
+        };
+        let strict: Vec<(&str, Option<&str>)> = events
+            .iter()
+            .map(|e| (e.event.as_str(), e.id.as_deref()))
+            .collect();
+        // Ids are compared where the strict parser saw an `id:` line; the probe reports the
+        // persisted last id on events without one.
+        let same = seen.len() == strict.len()
+            && seen
+                .iter()
+                .zip(&strict)
+                .all(|((t, id), (st, sid))| t == st && (sid.is_none() || id.as_deref() == *sid));
+        self.note(format!(
+            "interop: eventsource-client read {} events",
+            seen.len()
+        ));
+        if same {
+            None
+        } else {
+            Some(format!(
+                "interop: eventsource-client saw {seen:?}, the strict parser saw {strict:?}"
+            ))
+        }
+    }
+
+    async fn digest(&mut self, label: &str) -> Result<String, StepError> {
+        let p = Prepared {
+            method: Method::Get,
+            target: "/v1/test/digest".into(),
+            principal: Principal::Admin,
+            headers: Vec::new(),
+            literal_auth: false,
+            body: None,
+        };
+        let client = self.target.client.clone();
+        let obs = self.send(&client, &p, label).await?;
+        if obs.status != 200 {
+            return Err(StepError::Fail(format!(
+                "GET /v1/test/digest: status {}",
+                obs.status
+            )));
+        }
+        obs.json()
+            .ok()
+            .and_then(|j| j.get("digest").and_then(Value::as_str).map(str::to_owned))
+            .ok_or_else(|| StepError::Fail("GET /v1/test/digest: no `digest` string".into()))
+    }
+
+    /// Every object ID `principal` owns: sandboxes, and snapshots when advertised.
+    async fn owned(
+        &mut self,
+        principal: Principal,
+        label: &str,
+    ) -> Result<BTreeSet<String>, StepError> {
+        let client = self.target.client.clone();
+        let mut ids = self
+            .list_ids(&client, principal, "/v1/sandboxes", label)
+            .await?;
+        if self.target.capabilities.has("snapshots") {
+            ids.extend(
+                self.list_ids(&client, principal, "/v1/snapshots", label)
+                    .await?,
+            );
+        }
+        Ok(ids)
+    }
+
+    /// Follows a list's pages and returns every `data[*].id`.
+    async fn list_ids(
+        &mut self,
+        client: &reqwest::Client,
+        principal: Principal,
+        path: &str,
+        label: &str,
+    ) -> Result<BTreeSet<String>, StepError> {
+        let mut ids = BTreeSet::new();
+        let mut page_token: Option<String> = None;
+        for _ in 0..MAX_PAGES {
+            let mut query = vec![("limit".to_owned(), "100".to_owned())];
+            if let Some(t) = &page_token {
+                query.push(("page_token".into(), t.clone()));
+            }
+            let p = Prepared {
+                method: Method::Get,
+                target: with_query(path, &query),
+                principal,
+                headers: Vec::new(),
+                literal_auth: false,
+                body: None,
+            };
+            let obs = self.send(client, &p, label).await?;
+            if obs.status != 200 {
+                return Err(StepError::Fail(format!(
+                    "GET {path}: status {}",
+                    obs.status
+                )));
+            }
+            let json = obs
+                .json()
+                .map_err(|e| StepError::Fail(format!("GET {path}: {e}")))?;
+            let data = json
+                .get("data")
+                .and_then(Value::as_array)
+                .ok_or_else(|| StepError::Fail(format!("GET {path}: no `data` array")))?;
+            for item in data {
+                if let Some(id) = item.get("id").and_then(Value::as_str) {
+                    ids.insert(id.to_owned());
+                }
+            }
+            match json.get("next_page_token").and_then(Value::as_str) {
+                Some(t) => page_token = Some(t.to_owned()),
+                None => return Ok(ids),
+            }
+        }
+        Err(StepError::Fail(format!(
+            "GET {path}: more than {MAX_PAGES} pages"
+        )))
+    }
+
+    async fn parallel(&mut self, p: &Parallel, label: &str) -> Result<(), StepError> {
+        let mut prepared = Vec::new();
+        if let Some(r) = &p.request {
+            let n = p
+                .repeat
+                .as_ref()
+                .map(|n| self.vars.num(n))
+                .transpose()?
+                .unwrap_or(1);
+            for _ in 0..n.clamp(0, 1000) {
+                prepared.push(self.prepare(r)?);
+            }
+        }
+        for r in &p.requests {
+            prepared.push(self.prepare(r)?);
+        }
+        let client = self.target.client.clone();
+        let futures = prepared.iter().map(|pr| {
+            let b = self.builder(&client, pr).timeout(REQUEST_TIMEOUT);
+            async move {
+                let sent = Instant::now();
+                let r = b.send().await;
+                let r = match r {
+                    Ok(resp) => {
+                        let status = resp.status().as_u16();
+                        let headers = resp.headers().clone();
+                        resp.bytes()
+                            .await
+                            .map(|body| Observed {
+                                status,
+                                headers,
+                                body,
+                            })
+                            .map_err(|e| (describe_reqwest(&e), false))
+                    }
+                    Err(e) => Err((describe_reqwest(&e), e.is_connect())),
+                };
+                (r, sent.elapsed())
+            }
+        });
+        let at_ms = self.at();
+        let results = futures_util::future::join_all(futures).await;
+        let mut observed = Vec::new();
+        for (pr, (result, took)) in prepared.iter().zip(results) {
+            let mut exchange = HttpExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: self.credential(pr),
+                method: pr.method.as_str().to_owned(),
+                target: pr.target.clone(),
+                request_headers: pr
+                    .headers
+                    .iter()
+                    .filter(|(k, _)| !k.eq_ignore_ascii_case("authorization"))
+                    .cloned()
+                    .collect(),
+                request_body: pr.body.as_ref().map(|(b, _)| Body::of(b)),
+                status: None,
+                response_headers: Vec::new(),
+                response_body: None,
+                duration_ms: ms(took),
+                error: None,
+            };
+            match result {
+                Ok(obs) => {
+                    exchange.status = Some(obs.status);
+                    exchange.response_headers = record_headers(&obs.headers);
+                    exchange.response_body = Some(Body::of(&obs.body));
+                    if (200..300).contains(&obs.status) {
+                        self.saw_success = true;
+                    }
+                    self.remember_created(pr, &obs);
+                    observed.push(obs);
+                }
+                Err((reason, connect)) => {
+                    exchange.error = Some(reason.clone());
+                    self.transcript.push(Entry::Http(exchange));
+                    return Err(if connect {
+                        StepError::Error(reason)
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            }
+            self.transcript.push(Entry::Http(exchange));
+        }
+        let keys: Vec<(u16, Option<String>)> = observed
+            .iter()
+            .map(|o| (o.status, problem_code(o)))
+            .collect();
+        let matches = |t: &crate::scenario::Tally, k: &(u16, Option<String>)| {
+            t.status == k.0 && t.code.as_ref().is_none_or(|c| Some(c) == k.1.as_ref())
+        };
+        let mut counted = vec![false; keys.len()];
+        let mut failures = Vec::new();
+        for tally in p.expect.iter().filter(|t| !t.rest) {
+            let want = tally
+                .exactly
+                .as_ref()
+                .map(|n| self.vars.num(n))
+                .transpose()?
+                .unwrap_or(0);
+            let mut got = 0i64;
+            for (i, k) in keys.iter().enumerate() {
+                if !counted[i] && matches(tally, k) {
+                    counted[i] = true;
+                    got += 1;
+                }
+            }
+            if got != want {
+                failures.push(format!(
+                    "{got} responses with status {}{}, expected {want}",
+                    tally.status,
+                    tally
+                        .code
+                        .as_ref()
+                        .map(|c| format!(" {c}"))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        let rest = p.expect.iter().find(|t| t.rest);
+        for (i, k) in keys.iter().enumerate() {
+            if counted[i] {
+                continue;
+            }
+            match rest {
+                Some(t) if matches(t, k) => {}
+                _ => failures.push(format!(
+                    "unexpected response: status {}{}",
+                    k.0,
+                    k.1.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
+                )),
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(StepError::Fail(failures.join("; ")))
+        }
+    }
+
+    async fn absent(&mut self, a: &Absent, label: &str) -> Result<(), StepError> {
+        let path = self.vars.render(&a.path)?;
+        let list = self.vars.render(&a.list)?;
+        let id = self.vars.render(&a.id)?;
+        // A fresh client: no pooled connection or cache can hide the object's state.
+        let client = self
+            .target
+            .fresh_client()
+            .map_err(|e| StepError::Error(e.to_string()))?;
+        let p = Prepared {
+            method: Method::Get,
+            target: path.clone(),
+            principal: a.principal,
+            headers: Vec::new(),
+            literal_auth: false,
+            body: None,
+        };
+        let obs = self.send(&client, &p, label).await?;
+        let mut failures = Vec::new();
+        if obs.status != 404 {
+            failures.push(format!("GET {path}: status {}, expected 404", obs.status));
+        } else if obs
+            .json()
+            .ok()
+            .and_then(|j| j.get("code").and_then(Value::as_str).map(str::to_owned))
+            .as_deref()
+            != Some("not_found")
+        {
+            failures.push(format!("GET {path}: 404 without problem code `not_found`"));
+        }
+        let ids = self.list_ids(&client, a.principal, &list, label).await?;
+        if ids.contains(&id) {
+            failures.push(format!("{id} is still listed by GET {list}"));
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(StepError::Fail(failures.join("; ")))
+        }
+    }
+
+    /// Removes what the run created and its cleanup left behind. A resource that cannot be
+    /// removed (or stays visible after a 204) fails the scenario.
+    async fn sweep(&mut self) -> Outcome {
+        let client = self.target.client.clone();
+        let mut outcome = Outcome::Pass;
+        // Newest first, so that a sandbox cloned from a snapshot goes before the snapshot.
+        for i in (0..self.ledger.len()).rev() {
+            let path = self.ledger[i].path.clone();
+            let principal = self.ledger[i].principal;
+            let get = Prepared {
+                method: Method::Get,
+                target: path.clone(),
+                principal,
+                headers: Vec::new(),
+                literal_auth: false,
+                body: None,
+            };
+            let Ok(obs) = self.send(&client, &get, "sweep").await else {
+                return outcome.combine(Outcome::Error {
+                    reason: "sweep: target unreachable".into(),
+                });
+            };
+            if obs.status == 404 {
+                continue;
+            }
+            let delete = Prepared {
+                method: Method::Delete,
+                ..get
+            };
+            let deleted = self.send(&client, &delete, "sweep").await;
+            self.ledger[i].swept = true;
+            self.note(format!("sweep: removed leftover {path}"));
+            let gone = match deleted {
+                Ok(d) if d.status == 204 || d.status == 404 => {
+                    let get = Prepared {
+                        method: Method::Get,
+                        target: path.clone(),
+                        principal,
+                        headers: Vec::new(),
+                        literal_auth: false,
+                        body: None,
+                    };
+                    matches!(self.send(&client, &get, "sweep").await, Ok(o) if o.status == 404)
+                }
+                _ => false,
+            };
+            if !gone {
+                outcome = outcome.combine(Outcome::Fail {
+                    step: "sweep".into(),
+                    reason: format!("{path} could not be removed"),
+                });
+            }
+        }
+        outcome
+    }
+}
+
+/// A status mismatch message, with the problem code when the response has one.
+fn with_problem(msg: String, obs: &Observed) -> String {
+    match problem_code(obs) {
+        Some(code) => format!("{msg} ({code})"),
+        None => msg,
+    }
+}
+
+/// `path?k=v&...` with the values percent-encoded.
+fn with_query(path: &str, query: &[(String, String)]) -> String {
+    if query.is_empty() {
+        return path.to_owned();
+    }
+    let mut url = reqwest::Url::parse("http://x/").expect("static URL");
+    url.query_pairs_mut().extend_pairs(query);
+    format!(
+        "{path}{}{}",
+        if path.contains('?') { "&" } else { "?" },
+        url.query().unwrap_or_default()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_are_encoded() {
+        assert_eq!(with_query("/v1/x", &[]), "/v1/x");
+        assert_eq!(
+            with_query(
+                "/v1/sandboxes/a/files",
+                &[
+                    ("path".into(), "../etc/passwd".into()),
+                    ("q".into(), "a b&c".into())
+                ]
+            ),
+            "/v1/sandboxes/a/files?path=..%2Fetc%2Fpasswd&q=a+b%26c"
+        );
+    }
+}

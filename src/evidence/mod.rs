@@ -1,0 +1,31 @@
+//! Evidence: the receipt model, the one sanitizer, the run-folder writer and its verifier.
+//!
+//! **Architecture Invariant:** nothing writes evidence except [`write_run_folder`], and it
+//! renders every file in memory from a sanitized copy of the run, scans the result for any
+//! secret or the run's canary, and writes nothing at all if one survives.
+
+mod clean;
+mod normalize;
+mod placeholders;
+mod receipt;
+mod sanitize;
+mod schema;
+mod summary;
+mod verify;
+mod writer;
+
+pub use clean::sanitized_report;
+pub use normalize::normalize;
+pub use placeholders::Placeholders;
+pub use receipt::{
+    AbsenceConfirmation, Cleanup, Counts, Digest, Environment, FileRef, Measurement, OutcomeLabel,
+    PREDICATE_TYPE, ProfileResult, Receipt, ResourceDescriptor, STATEMENT_TYPE, SanitizerInfo,
+    ScenarioResult, Selection, Statement, StreamTiming, Subject, SubjectSource, Suite,
+    SweptResource, TargetIdentity, suite_commit,
+};
+pub use sanitize::{
+    Leak, MIN_SECRET_LEN, REDACTED, Sanitizer, SecretError, for_tokens, new_canary,
+};
+pub use schema::{RECEIPT_SCHEMA, validate_receipt};
+pub use verify::{Problem, VerifyReport, verify, verify_cli};
+pub use writer::{EvidenceError, WriteOptions, default_run_dir, sha256_hex, write_run_folder};

@@ -1,0 +1,264 @@
+//! `summary.md`: the receipt as a reviewer reads it. Rendered from the receipt alone, so it
+//! can say nothing the receipt does not.
+
+use std::fmt::Write as _;
+
+use super::receipt::{OutcomeLabel, Statement};
+
+/// A Markdown table cell: pipes escaped, line breaks flattened.
+fn cell(text: &str) -> String {
+    text.replace('\\', "\\\\")
+        .replace('|', "\\|")
+        .replace(['\r', '\n'], " ")
+}
+
+fn label(o: OutcomeLabel) -> &'static str {
+    match o {
+        OutcomeLabel::Pass => "PASS",
+        OutcomeLabel::Flaky => "FLAKY",
+        OutcomeLabel::Skip => "SKIP",
+        OutcomeLabel::Fail => "FAIL",
+        OutcomeLabel::Error => "ERROR",
+    }
+}
+
+pub(crate) fn render(statement: &Statement) -> String {
+    let r = &statement.predicate;
+    let mut md = String::new();
+    let _ = writeln!(md, "# sandspec run `{}`\n", r.run_id);
+    if r.interrupted {
+        let _ = writeln!(
+            md,
+            "> **Interrupted.** The run was stopped before every selected scenario ran; {} never ran: {}.\n",
+            r.not_run.len(),
+            if r.not_run.is_empty() {
+                "none".to_owned()
+            } else {
+                r.not_run.join(", ")
+            }
+        );
+    }
+    let server = match (&r.target.server_name, &r.target.server_version) {
+        (Some(n), Some(v)) => format!("{n} {v}"),
+        (Some(n), None) => n.clone(),
+        _ => "unknown server".to_owned(),
+    };
+    let _ = writeln!(md, "| | |\n|---|---|");
+    let _ = writeln!(
+        md,
+        "| target | {} ({}) |",
+        cell(&r.target.base_url),
+        cell(&r.target.kind)
+    );
+    let _ = writeln!(
+        md,
+        "| server | {}, API {} |",
+        cell(&server),
+        cell(r.target.api_version.as_deref().unwrap_or("unknown"))
+    );
+    for s in &statement.subject {
+        let _ = writeln!(
+            md,
+            "| tested build | `{}` sha256 `{}` |",
+            cell(&s.name),
+            s.digest.sha256
+        );
+    }
+    if !r.target.defects.is_empty() {
+        let _ = writeln!(
+            md,
+            "| deliberate defects | {} |",
+            cell(&r.target.defects.join(", "))
+        );
+    }
+    let _ = writeln!(
+        md,
+        "| suite | {} {} (commit `{}`) |",
+        r.suite.name,
+        cell(&r.suite.version),
+        r.suite.commit
+    );
+    let _ = writeln!(md, "| started | {} |", r.started_at);
+    let _ = writeln!(
+        md,
+        "| ended | {} ({:.1} s) |",
+        r.ended_at,
+        r.duration_ms as f64 / 1000.0
+    );
+    let _ = writeln!(
+        md,
+        "| environment | {} {} ({} CPUs){} |",
+        cell(&r.environment.os),
+        cell(&r.environment.arch),
+        r.environment.cpu_count,
+        r.environment
+            .os_release
+            .as_deref()
+            .map(|v| format!(", {}", cell(v)))
+            .unwrap_or_default()
+    );
+
+    md.push_str("\n## Verdicts\n\n| profile | verdict | PASS | FLAKY | SKIP | FAIL | ERROR | MUST run | reason |\n");
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+    for p in &r.profiles {
+        let c = |k: &str| p.counts.get(k).copied().unwrap_or(0);
+        let _ = writeln!(
+            md,
+            "| {} | **{}** | {} | {} | {} | {} | {} | {} | {} |",
+            cell(&p.profile),
+            p.verdict,
+            c("PASS"),
+            c("FLAKY"),
+            c("SKIP"),
+            c("FAIL"),
+            c("ERROR"),
+            p.must_run,
+            cell(p.reason.as_deref().unwrap_or(""))
+        );
+    }
+
+    let c = &r.counts;
+    md.push_str("\n## Counts\n\n| scenarios | pass | flaky | skip | fail | error | never ran | requests | 2xx responses | 401/403 responses |\n");
+    md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let _ = writeln!(
+        md,
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+        c.total,
+        c.pass,
+        c.flaky,
+        c.skip,
+        c.fail,
+        c.error,
+        c.not_run,
+        c.requests,
+        c.positive_operations,
+        c.authentication_rejections
+    );
+
+    let failures: Vec<_> = r
+        .scenarios
+        .iter()
+        .filter(|s| matches!(s.outcome, OutcomeLabel::Fail | OutcomeLabel::Error))
+        .collect();
+    md.push_str("\n## Failures\n\n");
+    if failures.is_empty() {
+        md.push_str("None.\n");
+    }
+    for s in failures {
+        let _ = writeln!(
+            md,
+            "- **{}** `{}` {} ({}; clauses {}): {}",
+            label(s.outcome),
+            s.id,
+            s.title,
+            s.level,
+            s.clauses.join(", "),
+            s.reason.as_deref().unwrap_or("")
+        );
+    }
+    let skips: Vec<_> = r
+        .scenarios
+        .iter()
+        .filter(|s| s.outcome == OutcomeLabel::Skip)
+        .collect();
+    md.push_str("\n## Skips\n\n");
+    if skips.is_empty() {
+        md.push_str("None.\n");
+    }
+    for s in skips {
+        let _ = writeln!(
+            md,
+            "- `{}` {} ({}): {}",
+            s.id,
+            s.title,
+            s.level,
+            s.reason.as_deref().unwrap_or("")
+        );
+    }
+    if !r.not_run.is_empty() {
+        md.push_str("\n## Never ran\n\n");
+        for id in &r.not_run {
+            let _ = writeln!(md, "- `{id}`");
+        }
+    }
+
+    md.push_str("\n## Scenarios\n\n| ID | level | outcome | ms | attempts | clauses | title |\n|---|---|---|---:|---:|---|---|\n");
+    for s in &r.scenarios {
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | {} | {} | {} |",
+            s.id,
+            s.level,
+            label(s.outcome),
+            s.duration_ms,
+            s.attempts,
+            cell(&s.clauses.join(", ")),
+            cell(&s.title)
+        );
+    }
+
+    md.push_str("\n## Timings\n\n");
+    if r.measurements.is_empty() && r.streams.is_empty() {
+        md.push_str("No measurements.\n");
+    }
+    if !r.measurements.is_empty() {
+        md.push_str("| scenario | measurement | seconds |\n|---|---|---:|\n");
+        for m in &r.measurements {
+            let _ = writeln!(
+                md,
+                "| `{}` | {} | {:.3} |",
+                m.scenario,
+                cell(&m.name),
+                m.seconds
+            );
+        }
+    }
+    if !r.streams.is_empty() {
+        md.push_str("\n| scenario | SSE step | status | events | first frame ms | EOF ms | end |\n|---|---|---:|---:|---:|---:|---|\n");
+        let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".to_owned());
+        for s in &r.streams {
+            let _ = writeln!(
+                md,
+                "| `{}` | {} | {} | {} | {} | {} | {} |",
+                s.scenario,
+                cell(&s.step),
+                s.status
+                    .map(|v| v.to_string())
+                    .unwrap_or_else(|| "-".to_owned()),
+                s.events,
+                opt(s.first_frame_ms),
+                opt(s.eof_ms),
+                cell(&s.end)
+            );
+        }
+    }
+
+    md.push_str("\n## Cleanup\n\n");
+    let _ = writeln!(
+        md,
+        "{} absence checks confirmed (404 `not_found` and absent from every list page); {} leftovers removed by the sweep.\n",
+        r.cleanup.confirmed_absent.len(),
+        r.cleanup.swept.len()
+    );
+    for a in &r.cleanup.confirmed_absent {
+        let _ = writeln!(
+            md,
+            "- confirmed absent: `{}` {} ({})",
+            a.scenario, a.path, a.step
+        );
+    }
+    for s in &r.cleanup.swept {
+        let _ = writeln!(md, "- swept: `{}` {}", s.scenario, s.path);
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_cannot_break_the_table() {
+        assert_eq!(cell("a|b\nc"), "a\\|b c");
+    }
+}

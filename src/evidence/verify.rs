@@ -1,0 +1,276 @@
+//! `sandspec evidence verify <dir>`: what a reviewer runs on a run folder.
+//!
+//! It proves: every file the manifest lists is there with the listed SHA-256 and nothing else
+//! is; the receipt satisfies the published schema and agrees with itself (counts, transcript
+//! digests); no file holds a credential shape (bearer and basic credentials, API-key shapes,
+//! JWTs, private keys, passwords in URLs, unredacted credential headers, parameters and
+//! fields). It cannot prove the run happened as written (the manifest is not signed) and it
+//! cannot find run-time secrets that have no recognisable shape, because their values are not
+//! known after the run.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use super::receipt::{OutcomeLabel, Statement};
+use super::sanitize::Sanitizer;
+use super::schema::validate_receipt;
+use super::writer::{MANIFEST, Manifest, RECEIPT, sha256_hex};
+
+/// One reason a folder does not verify.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// The folder or a file in it cannot be read.
+    Unreadable { file: String, detail: String },
+    /// `manifest.json` is missing or malformed.
+    Manifest(String),
+    /// Listed in the manifest, not in the folder.
+    Missing(String),
+    /// In the folder, not in the manifest.
+    Unlisted(String),
+    /// Content differs from the manifest's digest.
+    DigestMismatch(String),
+    /// `receipt.json` breaks the schema.
+    Schema(String),
+    /// The receipt contradicts itself or the folder.
+    Inconsistent(String),
+    /// A credential shape in a file (the value is never shown).
+    Secret {
+        file: String,
+        line: usize,
+        what: String,
+    },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Problem::Unreadable { file, detail } => write!(f, "cannot read {file}: {detail}"),
+            Problem::Manifest(d) => write!(f, "manifest: {d}"),
+            Problem::Missing(p) => {
+                write!(f, "missing: {p} is listed in the manifest but not present")
+            }
+            Problem::Unlisted(p) => write!(f, "unlisted: {p} is present but not in the manifest"),
+            Problem::DigestMismatch(p) => {
+                write!(f, "digest mismatch: {p} differs from its manifest SHA-256")
+            }
+            Problem::Schema(d) => write!(f, "receipt schema: {d}"),
+            Problem::Inconsistent(d) => write!(f, "receipt inconsistent: {d}"),
+            Problem::Secret { file, line, what } => {
+                write!(f, "secret: {file}:{line} holds a {what}")
+            }
+        }
+    }
+}
+
+/// What `verify` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub dir: PathBuf,
+    pub files_checked: usize,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Checks a run folder. Every check runs, so one report lists every problem.
+pub fn verify(dir: &Path) -> VerifyReport {
+    let mut problems = Vec::new();
+    let mut present = BTreeMap::new();
+    if let Err(e) = collect(dir, dir, &mut present) {
+        problems.push(Problem::Unreadable {
+            file: dir.display().to_string(),
+            detail: e.to_string(),
+        });
+    }
+    let files_checked = present.len();
+
+    // Manifest: digests, nothing missing, nothing extra.
+    match present
+        .get(MANIFEST)
+        .map(|b| serde_json::from_slice::<Manifest>(b))
+    {
+        None => problems.push(Problem::Manifest(format!("{MANIFEST} is missing"))),
+        Some(Err(e)) => problems.push(Problem::Manifest(format!(
+            "not a valid manifest ({})",
+            json_error(&e)
+        ))),
+        Some(Ok(manifest)) => {
+            let mut listed = BTreeSet::new();
+            for entry in &manifest.files {
+                if !listed.insert(entry.path.as_str()) {
+                    problems.push(Problem::Manifest(format!("{} is listed twice", entry.path)));
+                }
+                match present.get(&entry.path) {
+                    None => problems.push(Problem::Missing(entry.path.clone())),
+                    Some(bytes)
+                        if sha256_hex(bytes) != entry.sha256
+                            || bytes.len() as u64 != entry.bytes =>
+                    {
+                        problems.push(Problem::DigestMismatch(entry.path.clone()));
+                    }
+                    Some(_) => {}
+                }
+            }
+            for path in present
+                .keys()
+                .filter(|p| p.as_str() != MANIFEST && !listed.contains(p.as_str()))
+            {
+                problems.push(Problem::Unlisted(path.clone()));
+            }
+        }
+    }
+
+    // Receipt: schema, then the cross-checks the schema cannot express.
+    match present
+        .get(RECEIPT)
+        .map(|b| serde_json::from_slice::<serde_json::Value>(b))
+    {
+        None => problems.push(Problem::Schema(format!("{RECEIPT} is missing"))),
+        Some(Err(_)) => problems.push(Problem::Schema(format!("{RECEIPT} is not JSON"))),
+        Some(Ok(value)) => match validate_receipt(&value) {
+            Err(errors) => problems.extend(errors.into_iter().map(Problem::Schema)),
+            Ok(()) => match serde_json::from_value::<Statement>(value) {
+                Err(e) => problems.push(Problem::Schema(format!(
+                    "does not read back ({})",
+                    json_error(&e)
+                ))),
+                Ok(statement) => problems.extend(consistency(&statement, &present)),
+            },
+        },
+    }
+
+    // Secret shapes in every file, the manifest included.
+    let scanner = Sanitizer::new();
+    for (name, bytes) in &present {
+        let text = String::from_utf8_lossy(bytes);
+        for leak in scanner.leaks(&text) {
+            let line = text[..leak.offset.min(text.len())].matches('\n').count() + 1;
+            problems.push(Problem::Secret {
+                file: name.clone(),
+                line,
+                what: leak.what,
+            });
+        }
+    }
+    VerifyReport {
+        dir: dir.to_path_buf(),
+        files_checked,
+        problems,
+    }
+}
+
+/// Counts agree with the scenarios; every transcript the receipt names exists with its digest.
+fn consistency(statement: &Statement, present: &BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
+    let r = &statement.predicate;
+    let mut out = Vec::new();
+    let tally = |label: OutcomeLabel| r.scenarios.iter().filter(|s| s.outcome == label).count();
+    let c = &r.counts;
+    let expected = [
+        ("total", c.total, r.scenarios.len()),
+        ("pass", c.pass, tally(OutcomeLabel::Pass)),
+        ("flaky", c.flaky, tally(OutcomeLabel::Flaky)),
+        ("skip", c.skip, tally(OutcomeLabel::Skip)),
+        ("fail", c.fail, tally(OutcomeLabel::Fail)),
+        ("error", c.error, tally(OutcomeLabel::Error)),
+        ("not_run", c.not_run, r.not_run.len()),
+    ];
+    for (name, stated, actual) in expected {
+        if stated != actual {
+            out.push(Problem::Inconsistent(format!(
+                "counts.{name} is {stated} but the scenarios give {actual}"
+            )));
+        }
+    }
+    for s in &r.scenarios {
+        if r.not_run.contains(&s.id) {
+            out.push(Problem::Inconsistent(format!(
+                "{} is both reported and listed as never run",
+                s.id
+            )));
+        }
+        if let Some(t) = &s.transcript {
+            match present.get(&t.path) {
+                None => out.push(Problem::Inconsistent(format!(
+                    "{}: transcript {} is missing",
+                    s.id, t.path
+                ))),
+                Some(bytes) if sha256_hex(bytes) != t.sha256 => {
+                    out.push(Problem::Inconsistent(format!(
+                        "{}: transcript {} differs from the receipt's digest",
+                        s.id, t.path
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    out
+}
+
+/// Where a JSON document went wrong, without the offending value (it may be a secret).
+fn json_error(e: &serde_json::Error) -> String {
+    format!(
+        "{:?} error at line {} column {}",
+        e.classify(),
+        e.line(),
+        e.column()
+    )
+    .to_lowercase()
+}
+
+/// Every regular file under `dir`, by `/`-separated relative path. Symlinks and other
+/// special files are refused: a folder under review holds plain files only.
+fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        let kind = entry.file_type()?;
+        let rel = path
+            .strip_prefix(root)
+            .unwrap_or(&path)
+            .to_string_lossy()
+            .replace('\\', "/");
+        if kind.is_dir() {
+            collect(root, &path, out)?;
+        } else if kind.is_file() {
+            out.insert(rel, std::fs::read(&path)?);
+        } else {
+            return Err(std::io::Error::other(format!(
+                "{rel} is not a regular file"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `sandspec evidence verify <dir>`: prints the result; returns the exit code (0 verified,
+/// 1 not verified, 2 not a directory).
+pub fn verify_cli(dir: &Path) -> i32 {
+    if !dir.is_dir() {
+        eprintln!("error: {} is not a directory", dir.display());
+        return 2;
+    }
+    let report = verify(dir);
+    if report.ok() {
+        println!(
+            "verified: {} ({} files; manifest digests, receipt schema, secret scan)",
+            dir.display(),
+            report.files_checked
+        );
+        return 0;
+    }
+    for p in &report.problems {
+        eprintln!("{p}");
+    }
+    eprintln!(
+        "NOT verified: {} ({} problems)",
+        dir.display(),
+        report.problems.len()
+    );
+    1
+}

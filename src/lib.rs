@@ -1,0 +1,32 @@
+//! The sandspec runner as a library: scenario files, the engine that runs them against a
+//! target, the strict SSE client, targets, reports and the command line.
+//!
+//! # Layout
+//!
+//! - [`scenario`]: the scenario file model (YAML) and its strict parser. Unknown keys, unknown
+//!   variables and malformed IDs are errors that point at `file:line:col`.
+//! - [`sse`]: an incremental, spec-strict server-sent events parser over raw bytes, and a
+//!   client that reads a stream with timings.
+//! - [`engine`]: runs one parsed scenario against a [`target::Target`]: steps, expectations,
+//!   captures, the transcript, cleanup, and the outcome.
+//! - [`target`]: where scenarios run: the reference server started as a child process, or a
+//!   base URL with tokens taken from environment variables.
+//! - [`report`]: the run report (outcomes, durations, measurements, transcripts), profile
+//!   verdicts and the JUnit XML writer.
+//! - [`evidence`]: the evidence receipt, the one sanitizer, the run-folder writer and its
+//!   verifier.
+//! - [`cli`]: `sandspec run` and `sandspec list`.
+//!
+//! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
+//! into the reference server's process or store.
+//!
+//! **Architecture Invariant:** transcripts never hold a credential: requests record which
+//! principal authenticated them, not the token.
+
+pub mod cli;
+pub mod engine;
+pub mod evidence;
+pub mod report;
+pub mod scenario;
+pub mod sse;
+pub mod target;

@@ -1,0 +1,492 @@
+//! The run report (what the evidence writer consumes), profile verdicts, and JUnit XML.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::engine::{Entry, Outcome, ScenarioRun};
+use crate::scenario::{Level, LoadedScenario};
+
+/// One scenario's result with its catalog metadata.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScenarioReport {
+    pub id: String,
+    pub title: String,
+    pub family: String,
+    pub file: String,
+    pub level: Level,
+    pub clauses: Vec<String>,
+    pub tags: Vec<String>,
+    pub defects: Vec<String>,
+    pub outcome: Outcome,
+    pub duration_ms: u64,
+    pub attempts: u32,
+    pub measurements: BTreeMap<String, f64>,
+    pub swept: Vec<String>,
+    pub transcript: Vec<Entry>,
+}
+
+impl ScenarioReport {
+    pub fn new(s: &LoadedScenario, run: ScenarioRun) -> Self {
+        let sc = &s.scenario;
+        ScenarioReport {
+            id: sc.id.value.clone(),
+            title: sc.title.clone(),
+            family: s.family.clone(),
+            file: s.file.display().to_string(),
+            level: sc.level,
+            clauses: sc.clauses.iter().map(|c| c.value.clone()).collect(),
+            tags: sc.tags.clone(),
+            defects: sc.defects.iter().map(|d| d.value.clone()).collect(),
+            outcome: run.outcome,
+            duration_ms: run.duration_ms,
+            attempts: run.attempts,
+            measurements: run.measurements,
+            swept: run.swept,
+            transcript: run.transcript,
+        }
+    }
+}
+
+/// A profile's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// Every MUST scenario ran and passed on its first attempt.
+    Conformant,
+    /// No MUST failed, but one was skipped or passed only on retry.
+    Partial,
+    /// A MUST failed or errored, no MUST ran at all, or (with `--certify`) something skipped.
+    NonConformant,
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Verdict::Conformant => "conformant",
+            Verdict::Partial => "partial",
+            Verdict::NonConformant => "non-conformant",
+        })
+    }
+}
+
+/// Counts and verdict for one profile.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileVerdict {
+    pub profile: String,
+    pub verdict: Verdict,
+    pub reason: Option<String>,
+    pub counts: BTreeMap<&'static str, usize>,
+    pub must_run: usize,
+}
+
+/// Judges the scenarios of one profile.
+pub fn verdict(profile: &str, scenarios: &[&ScenarioReport], certify: bool) -> ProfileVerdict {
+    let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for s in scenarios {
+        *counts.entry(s.outcome.label()).or_default() += 1;
+    }
+    let musts: Vec<_> = scenarios
+        .iter()
+        .filter(|s| s.level == Level::Must)
+        .collect();
+    let must_run = musts
+        .iter()
+        .filter(|s| !matches!(s.outcome, Outcome::Skip { .. }))
+        .count();
+    let failed: Vec<&str> = musts
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Fail { .. } | Outcome::Error { .. }))
+        .map(|s| s.id.as_str())
+        .collect();
+    let skipped: Vec<&str> = scenarios
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Skip { .. }))
+        .map(|s| s.id.as_str())
+        .collect();
+    let must_skipped: Vec<&str> = musts
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Skip { .. }))
+        .map(|s| s.id.as_str())
+        .collect();
+    let flaky: Vec<&str> = musts
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Flaky { .. }))
+        .map(|s| s.id.as_str())
+        .collect();
+    let (verdict, reason) = if !failed.is_empty() {
+        (
+            Verdict::NonConformant,
+            Some(format!("MUST failed: {}", failed.join(", "))),
+        )
+    } else if must_run == 0 {
+        (
+            Verdict::NonConformant,
+            Some("no MUST scenario was executed".to_owned()),
+        )
+    } else if certify && !skipped.is_empty() {
+        (
+            Verdict::NonConformant,
+            Some(format!("--certify forbids skips: {}", skipped.join(", "))),
+        )
+    } else if !must_skipped.is_empty() {
+        (
+            Verdict::Partial,
+            Some(format!("MUST skipped: {}", must_skipped.join(", "))),
+        )
+    } else if !flaky.is_empty() {
+        (
+            Verdict::Partial,
+            Some(format!("MUST passed only on retry: {}", flaky.join(", "))),
+        )
+    } else {
+        (Verdict::Conformant, None)
+    };
+    ProfileVerdict {
+        profile: profile.to_owned(),
+        verdict,
+        reason,
+        counts,
+        must_run,
+    }
+}
+
+/// Where the run went.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetInfo {
+    /// `reference` or `url`.
+    pub kind: String,
+    /// Base URL (never with credentials).
+    pub url: String,
+    pub server_name: Option<String>,
+    pub server_version: Option<String>,
+    pub defects: Vec<String>,
+    pub capabilities: serde_json::Value,
+}
+
+/// The whole run, for `report.json` and the evidence writer.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub run_id: String,
+    pub suite_version: String,
+    pub started_at: String,
+    pub finished_at: String,
+    pub duration_ms: u64,
+    pub target: TargetInfo,
+    pub profile: String,
+    pub filters: Vec<String>,
+    pub shard: Option<String>,
+    pub retries: u32,
+    pub certify: bool,
+    pub scenarios: Vec<ScenarioReport>,
+    /// One per family present in the run, plus `all`.
+    pub profiles: Vec<ProfileVerdict>,
+}
+
+impl RunReport {
+    /// Computes per-family verdicts and the `all` verdict.
+    pub fn judge(scenarios: &[ScenarioReport], certify: bool) -> Vec<ProfileVerdict> {
+        let mut families: BTreeMap<&str, Vec<&ScenarioReport>> = BTreeMap::new();
+        for s in scenarios {
+            families.entry(s.family.as_str()).or_default().push(s);
+        }
+        let mut out: Vec<ProfileVerdict> = families
+            .iter()
+            .map(|(f, list)| verdict(f, list, certify))
+            .collect();
+        let all: Vec<&ScenarioReport> = scenarios.iter().collect();
+        out.push(verdict("all", &all, certify));
+        out
+    }
+}
+
+/// Escapes text for XML 1.0 attributes and content; characters XML cannot hold become U+FFFD.
+pub fn xml_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            '\t' | '\n' | '\r' => out.push(c),
+            c if (c as u32) < 0x20 || c == '\u{FFFE}' || c == '\u{FFFF}' => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// JUnit XML: one `<testsuite>` per family; failures, errors and skips as JUnit elements;
+/// a flaky pass carries a Surefire-style `<flakyFailure>`.
+pub fn junit_xml(report: &RunReport) -> String {
+    let mut families: BTreeMap<&str, Vec<&ScenarioReport>> = BTreeMap::new();
+    for s in &report.scenarios {
+        families.entry(s.family.as_str()).or_default().push(s);
+    }
+    let count = |list: &[&ScenarioReport], f: fn(&Outcome) -> bool| {
+        list.iter().filter(|s| f(&s.outcome)).count()
+    };
+    let secs = |ms: u64| format!("{:.3}", ms as f64 / 1000.0);
+    let mut x = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    let all: Vec<&ScenarioReport> = report.scenarios.iter().collect();
+    let _ = writeln!(
+        x,
+        "<testsuites name=\"sandspec\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\" time=\"{}\">",
+        all.len(),
+        count(&all, |o| matches!(o, Outcome::Fail { .. })),
+        count(&all, |o| matches!(o, Outcome::Error { .. })),
+        count(&all, |o| matches!(o, Outcome::Skip { .. })),
+        secs(report.duration_ms)
+    );
+    for (family, list) in &families {
+        let time: u64 = list.iter().map(|s| s.duration_ms).sum();
+        let _ = writeln!(
+            x,
+            "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\" time=\"{}\">",
+            xml_escape(family),
+            list.len(),
+            count(list, |o| matches!(o, Outcome::Fail { .. })),
+            count(list, |o| matches!(o, Outcome::Error { .. })),
+            count(list, |o| matches!(o, Outcome::Skip { .. })),
+            secs(time)
+        );
+        for s in list {
+            let _ = write!(
+                x,
+                "    <testcase classname=\"{}\" name=\"{}\" time=\"{}\"",
+                xml_escape(family),
+                xml_escape(&format!("{} {}", s.id, s.title)),
+                secs(s.duration_ms)
+            );
+            match &s.outcome {
+                Outcome::Pass => x.push_str("/>\n"),
+                Outcome::Flaky { first_failure, .. } => {
+                    let _ = write!(
+                        x,
+                        ">\n      <flakyFailure message=\"{}\"/>\n    </testcase>\n",
+                        xml_escape(first_failure)
+                    );
+                }
+                Outcome::Skip { reason } => {
+                    let _ = write!(
+                        x,
+                        ">\n      <skipped message=\"{}\"/>\n    </testcase>\n",
+                        xml_escape(reason)
+                    );
+                }
+                Outcome::Fail { step, reason } => {
+                    let _ = write!(
+                        x,
+                        ">\n      <failure message=\"{}\" type=\"{}\">{}</failure>\n    </testcase>\n",
+                        xml_escape(reason),
+                        xml_escape(s.level.to_string().as_str()),
+                        xml_escape(&format!(
+                            "{step}: {reason}\nclauses: {}",
+                            s.clauses.join(", ")
+                        ))
+                    );
+                }
+                Outcome::Error { reason } => {
+                    let _ = write!(
+                        x,
+                        ">\n      <error message=\"{}\"/>\n    </testcase>\n",
+                        xml_escape(reason)
+                    );
+                }
+            }
+        }
+        x.push_str("  </testsuite>\n");
+    }
+    x.push_str("</testsuites>\n");
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(id: &str, family: &str, level: Level, outcome: Outcome) -> ScenarioReport {
+        ScenarioReport {
+            id: id.into(),
+            title: "t".into(),
+            family: family.into(),
+            file: "f".into(),
+            level,
+            clauses: vec!["SBX-3.1".into()],
+            tags: vec![],
+            defects: vec![],
+            outcome,
+            duration_ms: 1500,
+            attempts: 1,
+            measurements: BTreeMap::new(),
+            swept: vec![],
+            transcript: vec![],
+        }
+    }
+
+    fn fail() -> Outcome {
+        Outcome::Fail {
+            step: "steps[0]".into(),
+            reason: "status 500".into(),
+        }
+    }
+
+    fn skip() -> Outcome {
+        Outcome::Skip {
+            reason: "no pause".into(),
+        }
+    }
+
+    #[test]
+    fn verdicts() {
+        let v = |list: Vec<ScenarioReport>, certify: bool| {
+            let refs: Vec<&ScenarioReport> = list.iter().collect();
+            verdict("p", &refs, certify).verdict
+        };
+        use Level::{Must, Should};
+        use Verdict::*;
+        assert_eq!(
+            v(vec![report("A-001", "f", Must, Outcome::Pass)], false),
+            Conformant
+        );
+        assert_eq!(
+            v(
+                vec![
+                    report("A-001", "f", Must, Outcome::Pass),
+                    report("A-002", "f", Should, fail())
+                ],
+                false
+            ),
+            Conformant
+        );
+        assert_eq!(
+            v(
+                vec![
+                    report("A-001", "f", Must, Outcome::Pass),
+                    report("A-002", "f", Must, skip())
+                ],
+                false
+            ),
+            Partial
+        );
+        assert_eq!(
+            v(
+                vec![
+                    report("A-001", "f", Must, Outcome::Pass),
+                    report("A-002", "f", Must, fail())
+                ],
+                false
+            ),
+            NonConformant
+        );
+        assert_eq!(
+            v(
+                vec![report(
+                    "A-001",
+                    "f",
+                    Must,
+                    Outcome::Error { reason: "x".into() }
+                )],
+                false
+            ),
+            NonConformant
+        );
+        assert_eq!(
+            v(vec![report("A-001", "f", Should, Outcome::Pass)], false),
+            NonConformant,
+            "no MUST ran"
+        );
+        assert_eq!(
+            v(vec![report("A-001", "f", Must, skip())], false),
+            NonConformant,
+            "no MUST ran"
+        );
+        assert_eq!(
+            v(
+                vec![
+                    report("A-001", "f", Must, Outcome::Pass),
+                    report("A-002", "f", Should, skip())
+                ],
+                true
+            ),
+            NonConformant
+        );
+        let flaky = Outcome::Flaky {
+            attempts: 2,
+            first_failure: "x".into(),
+        };
+        assert_eq!(v(vec![report("A-001", "f", Must, flaky)], false), Partial);
+    }
+
+    #[test]
+    fn xml_escaping() {
+        assert_eq!(
+            xml_escape(r#"a<b>&"c" 'd'"#),
+            "a&lt;b&gt;&amp;&quot;c&quot; &apos;d&apos;"
+        );
+        assert_eq!(xml_escape("bell\u{7} tab\t"), "bell\u{FFFD} tab\t");
+        assert_eq!(xml_escape("ünï"), "ünï");
+    }
+
+    #[test]
+    fn junit_has_one_element_per_outcome() {
+        let scenarios = vec![
+            report("A-001", "lifecycle", Level::Must, Outcome::Pass),
+            report(
+                "A-002",
+                "lifecycle",
+                Level::Must,
+                Outcome::Fail {
+                    step: "steps[1]".into(),
+                    reason: "status <500> & \"x\"".into(),
+                },
+            ),
+            report("B-001", "auth", Level::Should, skip()),
+            report(
+                "B-002",
+                "auth",
+                Level::Must,
+                Outcome::Error {
+                    reason: "unreachable".into(),
+                },
+            ),
+        ];
+        let rep = RunReport {
+            run_id: "r".into(),
+            suite_version: "0".into(),
+            started_at: String::new(),
+            finished_at: String::new(),
+            duration_ms: 6000,
+            target: TargetInfo {
+                kind: "url".into(),
+                url: "http://x".into(),
+                server_name: None,
+                server_version: None,
+                defects: vec![],
+                capabilities: serde_json::Value::Null,
+            },
+            profile: "all".into(),
+            filters: vec![],
+            shard: None,
+            retries: 0,
+            certify: false,
+            profiles: RunReport::judge(&scenarios, false),
+            scenarios,
+        };
+        let xml = junit_xml(&rep);
+        assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");
+        assert!(
+            xml.contains(
+                r#"<failure message="status &lt;500&gt; &amp; &quot;x&quot;" type="MUST">"#
+            ),
+            "{xml}"
+        );
+        assert!(xml.contains(r#"<skipped message="no pause"/>"#));
+        assert!(xml.contains(r#"<error message="unreachable"/>"#));
+        assert!(xml.contains(r#"<testcase classname="lifecycle" name="A-001 t" time="1.500"/>"#));
+        assert_eq!(xml.matches("<testsuite ").count(), 2);
+    }
+}

@@ -1,0 +1,15 @@
+//! Scenario files: the model, `{{var}}` templates, and the strict parser.
+
+mod model;
+mod parse;
+mod template;
+
+pub use model::*;
+pub use parse::{
+    CAPABILITIES, LIMIT_KEYS, LoadedScenario, MAX_SLEEP_MS, ParseError, RETENTION_KEYS, load_dir,
+    load_dir_partial, parse_str,
+};
+pub use template::{Atom, Expr, Op, Part, Template, is_var_name, parse_parts};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,553 @@
+//! The scenario file model: what one YAML scenario file may say, and nothing more.
+//!
+//! Every struct denies unknown fields, and step kinds are an externally tagged enum, so a
+//! misspelt key is an error at its line rather than a silently ignored assertion. Values that
+//! later checks need to point at (templates, JSON bodies, IDs) keep their source position.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
+use serde_saphyr::Spanned;
+
+use super::template::{Expr, Template};
+
+/// A position in a scenario file (1-based line and column).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Pos {
+    pub line: u64,
+    pub col: u64,
+}
+
+impl Pos {
+    pub fn of<T>(spanned: &Spanned<T>) -> Self {
+        Pos {
+            line: spanned.referenced.line(),
+            col: spanned.referenced.column(),
+        }
+    }
+}
+
+/// A string value together with where it was written.
+pub type Located<T> = Spanned<T>;
+
+/// One scenario file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Stable literal ID, e.g. `SBX-LIFE-001`; never a position number.
+    pub id: Located<String>,
+    pub title: String,
+    /// Protocol clause IDs from `docs/protocol.md`, e.g. `SBX-3.4`.
+    pub clauses: Vec<Located<String>>,
+    pub level: Level,
+    /// Capabilities the target must advertise, else the scenario is skipped.
+    #[serde(default)]
+    pub requires: Vec<Located<String>>,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Reference-server defects this scenario must catch (negative controls).
+    #[serde(default)]
+    pub defects: Vec<Located<String>>,
+    /// Why a MUST scenario names no defect. Without it such a scenario is rejected.
+    #[serde(default)]
+    pub defects_waiver: Option<String>,
+    /// Run alone, with no other scenario in flight (digest scenarios compare global state).
+    #[serde(default)]
+    pub exclusive: bool,
+    pub steps: Vec<Step>,
+    /// Always run, whatever happened in `steps`.
+    #[serde(default)]
+    pub cleanup: Vec<Step>,
+}
+
+/// Requirement level of the clauses a scenario checks.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, serde::Serialize,
+)]
+pub enum Level {
+    #[serde(rename = "MUST")]
+    Must,
+    #[serde(rename = "SHOULD")]
+    Should,
+}
+
+impl fmt::Display for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Level::Must => "MUST",
+            Level::Should => "SHOULD",
+        })
+    }
+}
+
+/// Who a request authenticates as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Principal {
+    /// The principal that owns what the scenario creates.
+    #[default]
+    Owner,
+    /// A second, unrelated principal.
+    Other,
+    /// The test-controls admin token.
+    Admin,
+    /// No Authorization header at all (unless `headers` sets one).
+    Anonymous,
+}
+
+impl fmt::Display for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Principal::Owner => "owner",
+            Principal::Other => "other",
+            Principal::Admin => "admin",
+            Principal::Anonymous => "anonymous",
+        })
+    }
+}
+
+/// One step. The key names the kind: `- request: {...}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Step {
+    Request(Request),
+    Sse(Sse),
+    Poll(Poll),
+    Digest(Digest),
+    ExpectDigestUnchanged(SinceName),
+    Snapshot(Snapshot),
+    ExpectSnapshotUnchanged(SinceName),
+    Parallel(Parallel),
+    Sleep(Sleep),
+    Absent(Absent),
+}
+
+impl Step {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Step::Request(_) => "request",
+            Step::Sse(_) => "sse",
+            Step::Poll(_) => "poll",
+            Step::Digest(_) => "digest",
+            Step::ExpectDigestUnchanged(_) => "expect_digest_unchanged",
+            Step::Snapshot(_) => "snapshot",
+            Step::ExpectSnapshotUnchanged(_) => "expect_snapshot_unchanged",
+            Step::Parallel(_) => "parallel",
+            Step::Sleep(_) => "sleep",
+            Step::Absent(_) => "absent",
+        }
+    }
+}
+
+/// HTTP methods a scenario may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum Method {
+    #[serde(rename = "GET")]
+    Get,
+    #[serde(rename = "POST")]
+    Post,
+    #[serde(rename = "PUT")]
+    Put,
+    #[serde(rename = "PATCH")]
+    Patch,
+    #[serde(rename = "DELETE")]
+    Delete,
+    #[serde(rename = "HEAD")]
+    Head,
+    #[serde(rename = "OPTIONS")]
+    Options,
+}
+
+impl Method {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Get => "GET",
+            Method::Post => "POST",
+            Method::Put => "PUT",
+            Method::Patch => "PATCH",
+            Method::Delete => "DELETE",
+            Method::Head => "HEAD",
+            Method::Options => "OPTIONS",
+        }
+    }
+}
+
+/// An HTTP request with its expectations and captures.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// A short name for the transcript and failure messages.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    /// Raw headers. An `Authorization` header here replaces the principal's token.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
+    pub method: Method,
+    pub path: Template,
+    #[serde(default)]
+    pub query: BTreeMap<String, Template>,
+    /// A JSON body (sent as `application/json`). Strings inside may hold `{{var}}`.
+    #[serde(default, deserialize_with = "present")]
+    pub json: Option<Located<serde_json::Value>>,
+    /// A raw text body.
+    #[serde(default)]
+    pub body_text: Option<Template>,
+    /// A raw binary body, base64-encoded in the file.
+    #[serde(default)]
+    pub body_base64: Option<Located<String>>,
+    /// Overrides the Content-Type the body kind implies.
+    #[serde(default)]
+    pub content_type: Option<String>,
+    #[serde(default)]
+    pub expect: Expect,
+    /// Variables taken from the response, usable by later steps as `{{name}}`.
+    #[serde(default)]
+    pub capture: BTreeMap<String, Located<Capture>>,
+}
+
+/// Where a captured value comes from: exactly one of `json` (a JSON pointer into the body),
+/// `header` (a response header, case-insensitive) and `body: true` (the raw body as text),
+/// optionally narrowed by `regex`
+/// (the first capture group, or the whole match when the regex has no group).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capture {
+    #[serde(default)]
+    pub json: Option<String>,
+    #[serde(default)]
+    pub header: Option<String>,
+    /// `true`: the whole response body, as text.
+    #[serde(default)]
+    pub body: Option<bool>,
+    #[serde(default)]
+    pub regex: Option<String>,
+    /// The value is a credential (a preview token, an API key): the evidence writer redacts
+    /// it everywhere.
+    #[serde(default)]
+    pub secret: bool,
+}
+
+/// What a response must look like. With no `status`, any 2xx is required.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// Any of these statuses.
+    #[serde(default)]
+    pub status_in: Vec<u16>,
+    /// The problem `code`; also requires `application/problem+json` and a matching `status`
+    /// field in the body.
+    #[serde(default)]
+    pub code: Option<String>,
+    /// Prefix of the response Content-Type (parameters ignored).
+    #[serde(default)]
+    pub content_type: Option<String>,
+    #[serde(default)]
+    pub json: Vec<JsonCheck>,
+    #[serde(default)]
+    pub headers: Vec<HeaderCheck>,
+    /// The exact raw body, as text.
+    #[serde(default)]
+    pub body_text: Option<Template>,
+    /// The exact raw body, base64-encoded in the file.
+    #[serde(default)]
+    pub body_base64: Option<Located<String>>,
+}
+
+/// One assertion on a JSON pointer. Exactly one of the checks must be given.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonCheck {
+    pub pointer: Template,
+    /// Equal to this JSON value (strings may hold `{{var}}`).
+    #[serde(default, deserialize_with = "present")]
+    pub equals: Option<Located<serde_json::Value>>,
+    #[serde(default, deserialize_with = "present")]
+    pub not_equals: Option<Located<serde_json::Value>>,
+    /// `true`: the pointer resolves (to anything, `null` included).
+    #[serde(default)]
+    pub exists: Option<bool>,
+    /// `true`: the pointer does not resolve.
+    #[serde(default)]
+    pub absent: Option<bool>,
+    /// The value is a string matching this regular expression.
+    #[serde(default)]
+    pub matches: Option<Located<String>>,
+    /// The value is an array (or string, or object) of this length.
+    #[serde(default)]
+    pub length: Option<NumExpr>,
+    /// The value is a number >= this.
+    #[serde(default)]
+    pub gte: Option<NumExpr>,
+    /// The value is a number <= this.
+    #[serde(default)]
+    pub lte: Option<NumExpr>,
+    /// The value is an array with an element that contains this value (objects match when
+    /// every key given matches; other values must be equal).
+    #[serde(default, deserialize_with = "present")]
+    pub includes: Option<Located<serde_json::Value>>,
+    /// The value is an array with no element that contains this value.
+    #[serde(default, deserialize_with = "present")]
+    pub excludes: Option<Located<serde_json::Value>>,
+}
+
+/// One assertion on a response header. Exactly one check must be given.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderCheck {
+    pub name: Located<String>,
+    #[serde(default)]
+    pub present: Option<bool>,
+    #[serde(default)]
+    pub absent: Option<bool>,
+    #[serde(default)]
+    pub equals: Option<Template>,
+    #[serde(default)]
+    pub matches: Option<Located<String>>,
+}
+
+/// Open a server-sent event stream and check what it delivers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sse {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
+    pub path: Template,
+    #[serde(default)]
+    pub query: BTreeMap<String, Template>,
+    /// Sent as the `Last-Event-ID` header.
+    #[serde(default)]
+    pub last_event_id: Option<Template>,
+    /// The Accept header; `text/event-stream` unless given.
+    #[serde(default)]
+    pub accept: Option<String>,
+    /// Response expectations (status defaults to 200). When the status is not 200 the body
+    /// is not read as a stream.
+    #[serde(default)]
+    pub expect: Expect,
+    /// When to stop reading; `eof` unless given.
+    #[serde(default)]
+    pub until: Until,
+    /// Deadline for the whole read, in seconds (a number or an expression).
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// Checks on the received events, in order: the n-th check applies to the n-th event.
+    #[serde(default)]
+    pub events: Vec<EventCheck>,
+    /// No more events than `events` lists.
+    #[serde(default)]
+    pub exact: bool,
+    /// The stream must deliver no event at all. Without it, a stream that delivered nothing
+    /// fails.
+    #[serde(default)]
+    pub expect_none: bool,
+    /// Drop the connection after this many events.
+    #[serde(default)]
+    pub cut_after: Option<u32>,
+    /// Capture the id of the last event received.
+    #[serde(default)]
+    pub capture_last_id: Option<Located<String>>,
+    /// Record the time to the first frame under this measurement name.
+    #[serde(default)]
+    pub measure_first_frame: Option<String>,
+    /// Record the time to EOF under this measurement name.
+    #[serde(default)]
+    pub measure_eof: Option<String>,
+    /// While idle, a comment must arrive at least this often (seconds).
+    #[serde(default)]
+    pub expect_heartbeat_within_s: Option<NumExpr>,
+    /// Framing rules: every event has an `id`, one-line JSON `data` whose `seq` equals the
+    /// id, and ids increase. On unless set to `false`.
+    #[serde(default = "yes")]
+    pub strict_framing: bool,
+    /// Also read the stream with the `eventsource-client` crate and require the same event
+    /// types and ids. On unless set to `false` (for a step where a second concurrent stream
+    /// would change the outcome, such as a stream-quota check).
+    #[serde(default = "yes")]
+    pub interop: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// When an `sse` step stops reading.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Until {
+    /// The server ends the stream.
+    #[default]
+    Eof,
+    /// This many events were received.
+    Events(u32),
+    /// An event of this type was received.
+    Event(String),
+}
+
+/// Checks on one received event.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventCheck {
+    #[serde(default)]
+    pub event: Option<String>,
+    #[serde(default)]
+    pub id: Option<Template>,
+    /// Checks on the event's JSON data.
+    #[serde(default)]
+    pub data: Vec<JsonCheck>,
+}
+
+/// Repeat a request until its expectations hold or the deadline passes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Poll {
+    pub request: Request,
+    /// Deadline in seconds: a number or an expression such as `limits.heartbeat_interval_s * 2`.
+    pub within_s: NumExpr,
+    /// Pause between attempts; 200 ms unless given.
+    #[serde(default)]
+    pub every_ms: Option<u64>,
+}
+
+/// Record `GET /v1/test/digest` (needs `test_controls`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Digest {
+    pub into: Located<String>,
+}
+
+/// Compare against an earlier `digest` or `snapshot`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinceName {
+    pub since: Located<String>,
+}
+
+/// List everything a principal owns (sandboxes, snapshots) into a named set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Snapshot {
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    pub into: Located<String>,
+}
+
+/// Requests sent concurrently, judged together.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Parallel {
+    /// Distinct requests to send at once.
+    #[serde(default)]
+    pub requests: Vec<Request>,
+    /// Or one request sent this many times at once.
+    #[serde(default)]
+    pub request: Option<Request>,
+    #[serde(default)]
+    pub repeat: Option<NumExpr>,
+    /// How the responses must be distributed.
+    pub expect: Vec<Tally>,
+}
+
+/// "exactly N responses with this status (and code)", or "all the rest".
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tally {
+    pub status: u16,
+    #[serde(default)]
+    pub code: Option<String>,
+    #[serde(default)]
+    pub exactly: Option<NumExpr>,
+    /// Every response not counted by another tally.
+    #[serde(default)]
+    pub rest: bool,
+}
+
+/// A bounded pause. Prefer `poll`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sleep {
+    pub ms: Located<u64>,
+}
+
+/// An independent absence check: a fresh HTTP client, GET by path expecting 404
+/// `not_found`, and the ID in no page of the list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Absent {
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    /// The object's URL path, e.g. `/v1/sandboxes/{{sbx}}`.
+    pub path: Template,
+    /// The list to search, e.g. `/v1/sandboxes`.
+    pub list: Template,
+    /// The ID that must not appear in the list's `data[*].id`.
+    pub id: Template,
+}
+
+/// A JSON value that was written, `null` included (plain `Option` would read `null` as absent).
+fn present<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Located<serde_json::Value>>, D::Error> {
+    Located::<serde_json::Value>::deserialize(deserializer).map(Some)
+}
+
+/// A number, or an expression over advertised limits: `5`, `"limits.heartbeat_interval_s * 2"`,
+/// `"retention.process_output_s + 2"`.
+#[derive(Debug, Clone)]
+pub struct NumExpr {
+    pub expr: Expr,
+    pub pos: Pos,
+}
+
+impl<'de> Deserialize<'de> for NumExpr {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = Spanned::<NumLit>::deserialize(deserializer)?;
+        let pos = Pos::of(&raw);
+        let expr = match raw.value {
+            NumLit::Int(n) => Expr::int(n),
+            NumLit::Text(text) => Expr::parse(&text).map_err(de::Error::custom)?,
+        };
+        Ok(NumExpr { expr, pos })
+    }
+}
+
+/// A literal number or expression text, before parsing.
+enum NumLit {
+    Int(i64),
+    Text(String),
+}
+
+impl<'de> Deserialize<'de> for NumLit {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = NumLit;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "an integer or an expression such as \"limits.heartbeat_interval_s * 2\"",
+                )
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<NumLit, E> {
+                Ok(NumLit::Int(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<NumLit, E> {
+                i64::try_from(v)
+                    .map(NumLit::Int)
+                    .map_err(|_| E::custom("number too large"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<NumLit, E> {
+                Ok(NumLit::Text(v.to_owned()))
+            }
+        }
+        deserializer.deserialize_any(V)
+    }
+}

@@ -1,0 +1,229 @@
+//! Parser tests: good files parse; every bad file fails with the expected `line:col: message`.
+
+use std::path::Path;
+
+use super::*;
+
+const GOOD: &str = r#"
+id: SBX-LIFE-001
+title: Create and kill
+clauses: [SBX-3.1]
+level: MUST
+tags: [lifecycle]
+defects: [kill-reports-success-without-removing]
+steps:
+  - request:
+      method: POST
+      path: /v1/sandboxes
+      json: {metadata: {run: "{{run_id}}"}, timeout_s: "{{limits.max_timeout_s}}"}
+      expect:
+        status: 201
+        json:
+          - {pointer: /state, equals: running}
+          - {pointer: /exit, equals: null}
+      capture:
+        sbx: {json: /id}
+  - sse:
+      path: /v1/processes/{{sbx}}/events
+      until: {event: exit}
+      within_s: limits.heartbeat_interval_s * 2
+      capture_last_id: last
+cleanup:
+  - request: {method: DELETE, path: "/v1/sandboxes/{{sbx}}", expect: {status_in: [204, 404]}}
+  - absent: {path: "/v1/sandboxes/{{sbx}}", list: /v1/sandboxes, id: "{{sbx}}"}
+"#;
+
+#[test]
+fn good_file_parses() {
+    let s = parse_str(Path::new("good.yaml"), GOOD).unwrap();
+    assert_eq!(s.id.value, "SBX-LIFE-001");
+    assert_eq!(s.steps.len(), 2);
+    assert_eq!(s.cleanup.len(), 2);
+    let Step::Request(r) = &s.steps[0] else {
+        panic!("first step is a request")
+    };
+    assert_eq!(r.expect.status, Some(201));
+    assert_eq!(
+        r.expect.json[1].equals.as_ref().unwrap().value,
+        serde_json::Value::Null
+    );
+    let Step::Sse(sse) = &s.steps[1] else {
+        panic!("second step is sse")
+    };
+    assert!(matches!(&sse.until, Until::Event(e) if e == "exit"));
+    assert_eq!(
+        sse.within_s.as_ref().unwrap().expr.to_string(),
+        "limits.heartbeat_interval_s * 2"
+    );
+}
+
+/// Parses `text` (named `bad.yaml`) and asserts the first error renders as `expect`.
+fn check_err(text: &str, expect: &str) {
+    let errs = parse_str(Path::new("bad.yaml"), text).expect_err("must be rejected");
+    let rendered: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert!(
+        rendered.iter().any(|r| r.starts_with(expect)),
+        "expected an error starting with {expect:?}, got {rendered:#?}"
+    );
+}
+
+fn header(rest: &str) -> String {
+    format!("id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: SHOULD\n{rest}")
+}
+
+#[test]
+fn unknown_top_level_key() {
+    check_err(
+        &header("colour: red\nsteps: []\n"),
+        "bad.yaml:5:1: unknown field `colour`",
+    );
+}
+
+#[test]
+fn unknown_key_in_step() {
+    let text = header(
+        "steps:\n  - request:\n      method: GET\n      path: /v1/health\n      expct: {status: 200}\n",
+    );
+    check_err(&text, "bad.yaml:9:7: unknown field `expct`");
+}
+
+#[test]
+fn unknown_step_kind() {
+    let text = header("steps:\n  - fetch: {method: GET, path: /}\n");
+    check_err(&text, "bad.yaml:6:5: unknown variant `fetch`");
+}
+
+#[test]
+fn unknown_capture_name() {
+    let text =
+        header("steps:\n  - request:\n      method: GET\n      path: /v1/sandboxes/{{sbx}}\n");
+    check_err(
+        &text,
+        "bad.yaml:8:13: unknown variable `sbx`: not built in and not captured by an earlier step",
+    );
+}
+
+#[test]
+fn capture_used_before_it_is_defined() {
+    let text = header(
+        "steps:\n  - request: {method: GET, path: \"/v1/x/{{later}}\"}\n  - request:\n      method: GET\n      path: /v1/x\n      capture: {later: {json: /id}}\n",
+    );
+    check_err(&text, "bad.yaml:6:34: unknown variable `later`");
+}
+
+#[test]
+fn unknown_variable_in_json_body() {
+    let text = header(
+        "steps:\n  - request:\n      method: POST\n      path: /v1/x\n      json: {a: \"{{nope}}\"}\n",
+    );
+    check_err(&text, "bad.yaml:9:13: unknown variable `nope`");
+}
+
+#[test]
+fn unknown_limit() {
+    let text = header("steps:\n  - request: {method: GET, path: \"/v1/{{limits.bogus}}\"}\n");
+    check_err(&text, "bad.yaml:6:34: unknown variable `limits.bogus`");
+}
+
+#[test]
+fn bad_id_and_clause() {
+    let text = "id: sbx-1\ntitle: t\nclauses: [SBX3]\nlevel: SHOULD\nsteps:\n  - sleep: {ms: 1}\n";
+    check_err(text, "bad.yaml:1:5: scenario id `sbx-1`");
+    check_err(text, "bad.yaml:3:11: clause `SBX3`");
+}
+
+#[test]
+fn must_without_defect() {
+    let text =
+        "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: MUST\nsteps:\n  - sleep: {ms: 1}\n";
+    check_err(text, "bad.yaml:1:5: a MUST scenario must name the defects");
+    let waived = format!("{text}defects_waiver: covered by SBX-LIFE-002\n");
+    parse_str(Path::new("ok.yaml"), &waived).unwrap();
+}
+
+#[test]
+fn unknown_defect_and_capability() {
+    let text = header("defects: [no-such-bug]\nrequires: [teleport]\nsteps:\n  - sleep: {ms: 1}\n");
+    check_err(&text, "bad.yaml:5:11: unknown defect `no-such-bug`");
+    check_err(&text, "bad.yaml:6:12: unknown capability `teleport`");
+}
+
+#[test]
+fn digest_needs_test_controls() {
+    let text =
+        header("steps:\n  - digest: {into: before}\n  - expect_digest_unchanged: {since: after}\n");
+    check_err(&text, "bad.yaml:6:20: a `digest` step needs");
+    check_err(&text, "bad.yaml:7:38: no earlier `digest` named `after`");
+}
+
+#[test]
+fn sleep_is_bounded_and_checks_are_single() {
+    check_err(
+        &header("steps:\n  - sleep: {ms: 60000}\n"),
+        "bad.yaml:6:17: `sleep` is bounded",
+    );
+    let text = header(
+        "steps:\n  - request:\n      method: GET\n      path: /v1/x\n      expect:\n        json:\n          - {pointer: /a, exists: true, equals: 1}\n",
+    );
+    check_err(&text, "bad.yaml:11:23: check on `/a` must give exactly one");
+}
+
+#[test]
+fn other_provider_needs_two_providers() {
+    let text = header(
+        "steps:\n  - request: {method: POST, path: /v1/sandboxes, json: {provider: \"{{provider.other}}\"}}\n",
+    );
+    check_err(&text, "bad.yaml:6:56: `{{provider.other}}` needs");
+}
+
+#[test]
+fn bad_fixture_files() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/scenarios-bad");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expected = std::fs::read_to_string(path.with_extension("err")).unwrap();
+        let errs = parse_str(Path::new(path.file_name().unwrap()), &text)
+            .expect_err("bad fixture must fail");
+        let rendered: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            rendered.join("\n"),
+            expected.trim_end(),
+            "{}",
+            path.display()
+        );
+        count += 1;
+    }
+    assert!(count >= 2, "fixtures found: {count}");
+}
+
+#[test]
+fn partial_loading_keeps_good_files_and_reports_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let family = dir.path().join("lifecycle");
+    std::fs::create_dir(&family).unwrap();
+    std::fs::write(family.join("good.yaml"), GOOD).unwrap();
+    std::fs::write(family.join("dup.yaml"), GOOD).unwrap();
+    std::fs::write(family.join("bad.yaml"), "id: X\n").unwrap();
+    std::fs::write(family.join("notes.txt"), "not a scenario").unwrap();
+    let (loaded, errors) = load_dir_partial(dir.path());
+    assert_eq!(loaded.len(), 1);
+    assert_eq!(loaded[0].family, "lifecycle");
+    let rendered: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(rendered.len(), 2, "{rendered:#?}");
+    assert!(
+        rendered.iter().any(|e| e.contains("bad.yaml:")),
+        "{rendered:#?}"
+    );
+    assert!(
+        rendered
+            .iter()
+            .any(|e| e.contains("duplicate scenario id `SBX-LIFE-001`")),
+        "{rendered:#?}"
+    );
+    assert!(load_dir(dir.path()).is_err());
+}

@@ -1,0 +1,9 @@
+//! Server-sent events: the strict parser and the client that reads a stream with timings.
+
+mod client;
+#[cfg(feature = "interop")]
+pub mod interop;
+mod parser;
+
+pub use client::{EndReason, Stop, StreamRecord, Timed, read_stream};
+pub use parser::{Event, Fault, Framing, Item, Parser};

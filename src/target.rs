@@ -1,0 +1,673 @@
+//! Where scenarios run: the reference server started as a child process (`reference`), or a
+//! base URL with tokens read from environment variables.
+//!
+//! Tokens never travel in command-line arguments: the reference target writes them into a
+//! mode-0600 config file in its temporary directory; the URL target reads them from named
+//! environment variables.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Once;
+use std::time::Duration;
+
+use tokio::io::AsyncBufReadExt as _;
+
+/// Why a target could not be set up. These are harness errors (exit code 3), except where
+/// the user's flags are wrong (exit code 2, [`TargetError::is_usage`]).
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("environment variable `{0}` (named by a --*-token-env flag) is not set")]
+    MissingTokenEnv(String),
+    #[error("cannot read CA file {path}: {source}")]
+    CaFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("CA file {0} holds no usable PEM certificate")]
+    BadCa(PathBuf),
+    #[error("invalid target URL `{0}`")]
+    BadUrl(String),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+    #[error("cannot start the reference server ({binary}): {reason}")]
+    Spawn { binary: String, reason: String },
+    #[error("{url}: {reason}")]
+    Unreachable { url: String, reason: String },
+    #[error("{url}: capabilities are not usable: {reason}")]
+    BadCapabilities { url: String, reason: String },
+}
+
+impl TargetError {
+    /// A mistake in the flags rather than a broken target.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            TargetError::MissingTokenEnv(_)
+                | TargetError::BadUrl(_)
+                | TargetError::CaFile { .. }
+                | TargetError::BadCa(_)
+        )
+    }
+}
+
+/// One provider as advertised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Provider {
+    pub name: String,
+    pub default: bool,
+}
+
+/// What the target says it supports (`GET /v1/capabilities`).
+#[derive(Debug, Clone, Default)]
+pub struct Capabilities {
+    pub features: Vec<String>,
+    pub providers: Vec<Provider>,
+    pub limits: BTreeMap<String, i64>,
+    pub retention: BTreeMap<String, i64>,
+    pub server_name: Option<String>,
+    pub server_version: Option<String>,
+    /// The document as received, for the report.
+    pub raw: serde_json::Value,
+}
+
+impl Capabilities {
+    /// Reads the capability document; a body that is not the documented shape is an error.
+    pub fn from_json(raw: serde_json::Value) -> Result<Self, String> {
+        let features = raw
+            .get("features")
+            .and_then(|f| f.as_array())
+            .ok_or("`features` is missing or not an array")?
+            .iter()
+            .map(|f| {
+                f.as_str()
+                    .map(str::to_owned)
+                    .ok_or("a feature is not a string")
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let providers = raw
+            .get("providers")
+            .and_then(|p| p.as_array())
+            .ok_or("`providers` is missing or not an array")?
+            .iter()
+            .map(|p| {
+                let name = p
+                    .get("name")
+                    .and_then(|n| n.as_str())
+                    .ok_or("a provider has no name")?;
+                Ok(Provider {
+                    name: name.to_owned(),
+                    default: p.get("default").and_then(|d| d.as_bool()).unwrap_or(false),
+                })
+            })
+            .collect::<Result<Vec<_>, &str>>()?;
+        if providers.is_empty() {
+            return Err("no providers advertised".into());
+        }
+        let numbers = |key: &str| -> BTreeMap<String, i64> {
+            raw.get(key)
+                .and_then(|m| m.as_object())
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| v.as_i64().map(|n| (k.clone(), n)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let server = raw.get("server");
+        Ok(Capabilities {
+            features,
+            providers,
+            limits: numbers("limits"),
+            retention: numbers("retention"),
+            server_name: server
+                .and_then(|s| s.get("name"))
+                .and_then(|n| n.as_str())
+                .map(str::to_owned),
+            server_version: server
+                .and_then(|s| s.get("version"))
+                .and_then(|n| n.as_str())
+                .map(str::to_owned),
+            raw,
+        })
+    }
+
+    /// Applies command-line overrides: features to treat as advertised, and features to
+    /// treat as missing (their scenarios are skipped). Only feature names are accepted.
+    pub fn override_features(&mut self, assume: &[String], drop: &[String]) -> Result<(), String> {
+        const FEATURES: &[&str] = &[
+            "pause",
+            "snapshots",
+            "previews",
+            "test_controls",
+            "sessions",
+        ];
+        for name in assume.iter().chain(drop) {
+            if !FEATURES.contains(&name.as_str()) {
+                return Err(format!(
+                    "unknown capability `{name}` (known: {})",
+                    FEATURES.join(", ")
+                ));
+            }
+        }
+        for name in assume {
+            if !self.features.contains(name) {
+                self.features.push(name.clone());
+            }
+        }
+        self.features.retain(|f| !drop.contains(f));
+        Ok(())
+    }
+
+    pub fn has(&self, capability: &str) -> bool {
+        match capability {
+            "two_providers" => self.providers.len() >= 2,
+            feature => self.features.iter().any(|f| f == feature),
+        }
+    }
+
+    pub fn default_provider(&self) -> &str {
+        self.providers
+            .iter()
+            .find(|p| p.default)
+            .unwrap_or(&self.providers[0])
+            .name
+            .as_str()
+    }
+
+    /// A provider other than the default one, if there is one.
+    pub fn other_provider(&self) -> Option<&str> {
+        let default = self.default_provider();
+        self.providers
+            .iter()
+            .map(|p| p.name.as_str())
+            .find(|n| *n != default)
+    }
+}
+
+/// Bearer tokens for the principals a scenario can act as.
+#[derive(Clone)]
+pub struct Tokens {
+    pub owner: String,
+    pub other: String,
+    pub admin: Option<String>,
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokens { .. }")
+    }
+}
+
+/// A target ready to run scenarios against.
+pub struct Target {
+    /// Base URL without a trailing slash, e.g. `http://127.0.0.1:4321`.
+    pub base_url: String,
+    pub client: reqwest::Client,
+    pub tokens: Tokens,
+    pub capabilities: Capabilities,
+    /// The run's canary secret: sent with every request (header `X-Sandspec-Canary`) and in
+    /// request bodies through `{{canary}}`. Evidence in which it survives is never written.
+    pub canary: String,
+    /// Extra root certificates, so that fresh clients (absence checks) trust the same CA.
+    ca: Option<reqwest::Certificate>,
+    /// The reference server, when this target started it; killed on drop.
+    _server: Option<ReferenceServer>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("base_url", &self.base_url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Installs the ring crypto provider for rustls once per process (reqwest is built with
+/// `rustls-no-provider`).
+pub fn install_crypto_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Another part of the process may have installed one already; either is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// Builds an HTTP client: TLS verification on; with `ca`, only that root is trusted.
+pub fn build_client(ca: Option<&reqwest::Certificate>) -> Result<reqwest::Client, TargetError> {
+    install_crypto_provider();
+    let mut builder = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("sandspec/", env!("CARGO_PKG_VERSION")));
+    if let Some(ca) = ca {
+        builder = builder.tls_certs_only([ca.clone()]);
+    }
+    builder
+        .build()
+        .map_err(|e| TargetError::Client(e.to_string()))
+}
+
+impl Target {
+    /// A fresh client with no shared connection pool (for independent checks).
+    pub fn fresh_client(&self) -> Result<reqwest::Client, TargetError> {
+        build_client(self.ca.as_ref())
+    }
+
+    /// A target at `base_url`, with tokens from the named environment variables.
+    pub async fn connect_url(
+        base_url: &str,
+        owner_env: &str,
+        other_env: &str,
+        admin_env: Option<&str>,
+        ca_file: Option<&Path>,
+    ) -> Result<Target, TargetError> {
+        let read = |name: &str| {
+            std::env::var(name).map_err(|_| TargetError::MissingTokenEnv(name.to_owned()))
+        };
+        let tokens = Tokens {
+            owner: read(owner_env)?,
+            other: read(other_env)?,
+            admin: admin_env.map(read).transpose()?,
+        };
+        let ca = match ca_file {
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|source| TargetError::CaFile {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                Some(
+                    reqwest::Certificate::from_pem(&pem)
+                        .map_err(|_| TargetError::BadCa(path.to_owned()))?,
+                )
+            }
+            None => None,
+        };
+        Target::connect_with_tokens(base_url, tokens, ca).await
+    }
+
+    /// A target at `base_url` with the given tokens, trusting only `ca` when given.
+    pub async fn connect_with_tokens(
+        base_url: &str,
+        tokens: Tokens,
+        ca: Option<reqwest::Certificate>,
+    ) -> Result<Target, TargetError> {
+        let url =
+            reqwest::Url::parse(base_url).map_err(|_| TargetError::BadUrl(base_url.to_owned()))?;
+        if !matches!(url.scheme(), "http" | "https")
+            || !url.username().is_empty()
+            || url.password().is_some()
+        {
+            return Err(TargetError::BadUrl(base_url.to_owned()));
+        }
+        let client = build_client(ca.as_ref())?;
+        let base_url = base_url.trim_end_matches('/').to_owned();
+        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
+        Ok(Target {
+            canary: crate::evidence::new_canary(),
+            base_url,
+            client,
+            tokens,
+            capabilities,
+            ca,
+            _server: None,
+        })
+    }
+
+    /// Starts the reference server (`binary serve ...`) and connects to it.
+    pub async fn start_reference(options: &ReferenceOptions) -> Result<Target, TargetError> {
+        let server = ReferenceServer::start(options).await?;
+        let tokens = server.tokens.clone();
+        let client = build_client(None)?;
+        let base_url = server.url.clone();
+        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
+        Ok(Target {
+            canary: crate::evidence::new_canary(),
+            base_url,
+            client,
+            tokens,
+            capabilities,
+            ca: None,
+            _server: Some(server),
+        })
+    }
+}
+
+/// `GET /v1/capabilities` as the owner.
+async fn fetch_capabilities(
+    client: &reqwest::Client,
+    base_url: &str,
+    token: &str,
+) -> Result<Capabilities, TargetError> {
+    let url = format!("{base_url}/v1/capabilities");
+    let response = client
+        .get(&url)
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(15))
+        .send()
+        .await
+        .map_err(|e| TargetError::Unreachable {
+            url: url.clone(),
+            reason: describe_reqwest(&e),
+        })?;
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let body = response
+        .bytes()
+        .await
+        .map_err(|e| TargetError::Unreachable {
+            url: url.clone(),
+            reason: describe_reqwest(&e),
+        })?;
+    if !status.is_success() {
+        return Err(TargetError::BadCapabilities {
+            url,
+            reason: format!("status {status}"),
+        });
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|_| TargetError::BadCapabilities {
+            url: url.clone(),
+            reason: format!("body is not JSON (content-type `{content_type}`)"),
+        })?;
+    Capabilities::from_json(json).map_err(|reason| TargetError::BadCapabilities { url, reason })
+}
+
+/// A one-line description of a transport error, with its innermost cause.
+pub fn describe_reqwest(e: &reqwest::Error) -> String {
+    let mut source: &dyn std::error::Error = e;
+    while let Some(next) = source.source() {
+        source = next;
+    }
+    let kind = if e.is_connect() {
+        "cannot connect"
+    } else if e.is_timeout() {
+        "timed out"
+    } else {
+        "request failed"
+    };
+    format!("{kind}: {source}")
+}
+
+/// How to start the reference server.
+#[derive(Debug, Clone, Default)]
+pub struct ReferenceOptions {
+    /// The `sandspec` binary (`std::env::current_exe()` when running as it).
+    pub binary: PathBuf,
+    pub defects: Vec<String>,
+    pub database_url: Option<String>,
+    /// Extra flags for `sandspec serve` (e.g. `--tls-cert`).
+    pub extra_args: Vec<String>,
+}
+
+/// Limits and retention the runner gives the reference server it starts, so that
+/// retention, heartbeat and stream-duration scenarios finish in seconds. Scenarios read the
+/// advertised values, so they hold for any setting.
+pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
+    "--retention",
+    "process_output_s=3",
+    "--limit",
+    "heartbeat_interval_s=1",
+    "--limit",
+    "max_stream_duration_s=6",
+    "--limit",
+    "max_sandboxes_per_principal=20",
+];
+
+/// A running reference server child process; killed when dropped.
+pub struct ReferenceServer {
+    pub url: String,
+    pub tokens: Tokens,
+    /// Killed on drop (`kill_on_drop`).
+    _child: tokio::process::Child,
+    /// Holds the config file and the SQLite data; removed on drop.
+    _dir: tempfile::TempDir,
+}
+
+impl ReferenceServer {
+    pub async fn start(options: &ReferenceOptions) -> Result<ReferenceServer, TargetError> {
+        let binary = options.binary.display().to_string();
+        let spawn_err = |reason: String| TargetError::Spawn {
+            binary: binary.clone(),
+            reason,
+        };
+        let dir =
+            tempfile::tempdir().map_err(|e| spawn_err(format!("temporary directory: {e}")))?;
+        let tokens = Tokens {
+            owner: random_token(),
+            other: random_token(),
+            admin: Some(random_token()),
+        };
+        let config_path = dir.path().join("serve.toml");
+        write_private(&config_path, &config_toml(&tokens))
+            .map_err(|e| spawn_err(format!("config file: {e}")))?;
+        let data_dir = dir.path().join("data");
+        let mut cmd = tokio::process::Command::new(&options.binary);
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--enable-test-controls");
+        for defect in &options.defects {
+            cmd.arg("--defect").arg(defect);
+        }
+        if let Some(url) = &options.database_url {
+            cmd.arg("--database-url").arg(url);
+        }
+        cmd.args(REFERENCE_FAST_SETTINGS);
+        cmd.args(&options.extra_args);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let stderr = child.stderr.take().expect("stderr is piped");
+        // Keep the server's log available for failure messages without letting the pipe fill.
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let log_writer = log.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut log = log_writer.lock().expect("log lock");
+                if log.len() < 200 {
+                    log.push(line);
+                }
+            }
+        });
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await;
+        let url = match first {
+            Ok(Ok(Some(line))) => match line.strip_prefix("listening on ") {
+                Some(url) => url.trim().to_owned(),
+                None => {
+                    return Err(spawn_err(format!(
+                        "unexpected first line on stdout: {line:?}"
+                    )));
+                }
+            },
+            Ok(Ok(None)) | Ok(Err(_)) => {
+                let _ = tokio::time::timeout(Duration::from_secs(2), child.wait()).await;
+                let tail = log.lock().expect("log lock").join("\n");
+                return Err(spawn_err(format!(
+                    "exited before listening; its log:\n{tail}"
+                )));
+            }
+            Err(_) => return Err(spawn_err("no `listening on` line within 30 s".into())),
+        };
+        // Drain the rest of stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(ReferenceServer {
+            url,
+            tokens,
+            _child: child,
+            _dir: dir,
+        })
+    }
+}
+
+/// The `--config` file: principals and the admin token. The principal names are fixed
+/// (`alice` owns, `bob` is the other one); the tokens are fresh for every run.
+fn config_toml(tokens: &Tokens) -> String {
+    let admin = tokens.admin.as_deref().unwrap_or_default();
+    format!(
+        "admin_token = \"{admin}\"\n\n[[principals]]\nname = \"alice\"\ntoken = \"{}\"\n\n[[principals]]\nname = \"bob\"\ntoken = \"{}\"\n",
+        tokens.owner, tokens.other
+    )
+}
+
+/// Writes a file readable only by its owner.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    file.write_all(text.as_bytes())
+}
+
+/// 32 random bytes, hex-encoded, with a recognisable prefix for the sanitizer.
+pub fn random_token() -> String {
+    use rand::Rng as _;
+    let bytes: [u8; 32] = rand::rng().random();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sst_{hex}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capabilities_parse_and_answer() {
+        let caps = Capabilities::from_json(serde_json::json!({
+            "api_version": "v1",
+            "server": {"name": "sandspec-reference", "version": "0.1.0"},
+            "providers": [{"name": "local", "default": true}, {"name": "local-b", "default": false}],
+            "features": ["pause", "snapshots"],
+            "limits": {"heartbeat_interval_s": 15},
+            "retention": {"process_output_s": 3600}
+        }))
+        .unwrap();
+        assert!(caps.has("pause") && caps.has("two_providers") && !caps.has("previews"));
+        assert_eq!(caps.default_provider(), "local");
+        assert_eq!(caps.other_provider(), Some("local-b"));
+        assert_eq!(caps.limits["heartbeat_interval_s"], 15);
+        assert!(Capabilities::from_json(serde_json::json!({"features": []})).is_err());
+        let mut caps = caps;
+        caps.override_features(&["previews".into()], &["pause".into()])
+            .unwrap();
+        assert!(caps.has("previews") && !caps.has("pause") && caps.has("snapshots"));
+        assert!(
+            caps.override_features(&["teleport".into()], &[])
+                .unwrap_err()
+                .contains("unknown capability")
+        );
+    }
+
+    #[test]
+    fn tokens_are_fresh_and_config_holds_them() {
+        let a = random_token();
+        assert_ne!(a, random_token());
+        assert_eq!(a.len(), 4 + 64);
+        let tokens = Tokens {
+            owner: "o".into(),
+            other: "b".into(),
+            admin: Some("a".into()),
+        };
+        let text = config_toml(&tokens);
+        assert!(text.contains("token = \"o\"") && text.contains("admin_token = \"a\""));
+        assert_eq!(format!("{tokens:?}"), "Tokens { .. }");
+    }
+
+    /// Serves one canned HTTP response to every connection.
+    async fn canned(response: &'static str) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut buf = vec![0u8; 4096];
+                let _ = socket.read(&mut buf).await;
+                let _ = socket.write_all(response.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            }
+        });
+        url
+    }
+
+    fn tokens() -> Tokens {
+        Tokens {
+            owner: "o".into(),
+            other: "b".into(),
+            admin: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn html_instead_of_json_is_a_clear_error() {
+        let url = canned("HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\nConnection: close\r\n\r\n<html></html>").await;
+        let err = Target::connect_with_tokens(&url, tokens(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TargetError::BadCapabilities { .. }) && !err.is_usage());
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&url) && msg.contains("not JSON (content-type `text/html`)"),
+            "{msg}"
+        );
+        assert!(!msg.contains('\n'), "one line: {msg}");
+    }
+
+    #[tokio::test]
+    async fn unreachable_and_bad_urls() {
+        // Bind and drop a listener to get a port nothing listens on.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("http://127.0.0.1:{port}");
+        let err = Target::connect_with_tokens(&url, tokens(), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TargetError::Unreachable { .. }) && !err.is_usage(),
+            "{err}"
+        );
+        assert!(err.to_string().contains("cannot connect"), "{err}");
+        for bad in ["ftp://x", "not a url", "http://user:pw@127.0.0.1:1"] {
+            let err = Target::connect_with_tokens(bad, tokens(), None)
+                .await
+                .unwrap_err();
+            assert!(err.is_usage(), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn private_files_are_mode_0600() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x");
+        write_private(&path, "secret").unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            assert_eq!(
+                std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! `cargo test` over the scenario catalog: every scenario against the reference server on
+//! SQLite (`sqlite::<ID>`) and on PostgreSQL (`postgres::<ID>`, skipped at run time when
+//! PostgreSQL is not installed), and every (scenario, defect) pair against a SQLite server
+//! started with that defect, where the scenario must FAIL (`defect::<ID>::<defect>`).
+//!
+//! Servers are started once per process and shared: one clean server per store, and one per
+//! defect. Scenarios marked `exclusive` take a write lock so nothing else runs beside them.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
+
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
+use sandspec::engine::{Outcome, run_scenario};
+use sandspec::scenario::{LoadedScenario, load_dir_partial};
+use sandspec::target::{ReferenceOptions, Target};
+
+static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+});
+
+/// Started servers by store key; dropped before exit so the child processes are killed.
+static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Target>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Serializes exclusive scenarios against everything else.
+static EXCLUSIVE: RwLock<()> = RwLock::new(());
+
+/// Which server a trial runs against.
+#[derive(Clone, Copy)]
+enum Store<'a> {
+    Sqlite,
+    Postgres,
+    /// SQLite with this defect switched on.
+    Defect(&'a str),
+}
+
+/// Starts (once) the reference server for `store`; `None` when PostgreSQL is not installed.
+fn server(store: Store<'_>) -> Option<Arc<Target>> {
+    let key = match store {
+        Store::Sqlite => "sqlite".to_owned(),
+        Store::Postgres => "postgres".to_owned(),
+        Store::Defect(d) => format!("defect:{d}"),
+    };
+    let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = servers.get(&key) {
+        return Some(t.clone());
+    }
+    let database_url = match store {
+        Store::Postgres => {
+            Some(reference_server::testing::PgCluster::shared_or_skip()?.fresh_database_blocking())
+        }
+        Store::Sqlite | Store::Defect(_) => None,
+    };
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        defects: match store {
+            Store::Defect(d) => vec![d.to_owned()],
+            Store::Sqlite | Store::Postgres => vec![],
+        },
+        database_url,
+        extra_args: vec![],
+    };
+    let target = RUNTIME
+        .block_on(Target::start_reference(&options))
+        .unwrap_or_else(|e| panic!("failed to start the reference server ({key}): {e}"));
+    let target = Arc::new(target);
+    servers.insert(key, target.clone());
+    Some(target)
+}
+
+fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
+    let Some(target) = server(store) else {
+        return Outcome::Skip {
+            reason: "PostgreSQL is not installed".into(),
+        };
+    };
+    let _guard: Box<dyn std::any::Any> = if scenario.scenario.exclusive {
+        Box::new(EXCLUSIVE.write().unwrap_or_else(|p| p.into_inner()))
+    } else {
+        Box::new(EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner()))
+    };
+    let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
+    RUNTIME
+        .block_on(run_scenario(&target, &scenario.scenario, &run_id))
+        .outcome
+}
+
+/// A trial that must pass (a skip is reported as ignored, with its reason).
+fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> Trial {
+    Trial::ignorable_test(name, move || match run(&scenario, store) {
+        Outcome::Pass => Ok(Completion::Completed),
+        Outcome::Skip { reason } => Ok(Completion::ignored_with(reason)),
+        other => Err(Failed::from(other.to_string())),
+    })
+}
+
+/// A negative control: the scenario must FAIL against a server with `defect`.
+fn must_fail(scenario: LoadedScenario, defect: String) -> Trial {
+    let name = format!("defect::{}::{}", scenario.id(), defect);
+    Trial::test(name, move || match run(&scenario, Store::Defect(&defect)) {
+        Outcome::Fail { step, reason } => {
+            // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
+            // failed for the reason the defect implies.
+            if std::env::var_os("SANDSPEC_SHOW_REASONS").is_some() {
+                eprintln!("{defect}: {step}: {reason}");
+            }
+            Ok(())
+        }
+        other => Err(Failed::from(format!(
+            "expected FAIL against a server with `{defect}`, got {other}"
+        ))),
+    })
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    // A broken file becomes a failing `parse::<file>` test; the rest still run.
+    let (scenarios, errors) = load_dir_partial(&dir);
+    let mut trials = Vec::new();
+    for e in errors {
+        let file = e
+            .file
+            .strip_prefix(&dir)
+            .unwrap_or(&e.file)
+            .display()
+            .to_string();
+        let message = e.to_string();
+        trials.push(Trial::test(format!("parse::{file}"), move || {
+            Err(Failed::from(message))
+        }));
+    }
+    for s in &scenarios {
+        trials.push(must_pass(
+            format!("sqlite::{}", s.id()),
+            s.clone(),
+            Store::Sqlite,
+        ));
+        trials.push(must_pass(
+            format!("postgres::{}", s.id()),
+            s.clone(),
+            Store::Postgres,
+        ));
+        for defect in &s.scenario.defects {
+            trials.push(must_fail(s.clone(), defect.value.clone()));
+        }
+    }
+    let conclusion = libtest_mimic::run(&args, trials);
+    // Kill the servers before exiting (statics are never dropped).
+    let servers: Vec<Arc<Target>> = SERVERS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain()
+        .map(|(_, t)| t)
+        .collect();
+    RUNTIME.block_on(async move { drop(servers) });
+    conclusion.exit();
+}

@@ -1,0 +1,1242 @@
+//! Evidence run folders: the writer sanitizes and refuses leaks (the canary above all),
+//! `verify` catches tampering and pasted tokens, receipts satisfy the published schema, the
+//! honesty rules hold, and an independent scanner (detect-secrets) finds nothing.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use sandspec::cli::run_all;
+use sandspec::engine::{Body, Credential, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
+use sandspec::evidence::{
+    EvidenceError, OutcomeLabel, Problem, Sanitizer, Statement, Subject, SubjectSource,
+    WriteOptions, for_tokens, new_canary, normalize, sanitized_report, sha256_hex,
+    validate_receipt, verify, verify_cli, write_run_folder,
+};
+use sandspec::report::{RunReport, ScenarioReport, TargetInfo};
+use sandspec::scenario::{Level, Principal, load_dir_partial};
+use sandspec::target::{ReferenceOptions, Target};
+
+const OWNER_TOKEN: &str = "sst_0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+const OTHER_TOKEN: &str = "sst_aa11bb22cc33dd44ee55ff66aa11bb22cc33dd44ee55ff66aa11bb22cc33dd44";
+const DB_PASSWORD: &str = "hunter2-correct-horse";
+const PREVIEW_TOKEN: &str = "pvt9d8c7b6a5f4e3d2c1b0a";
+const SBX: &str = "local:sbx_01jabcdefghjkmnpqrstvwxyz0";
+
+/// Everything a test needs: the run's secrets, a sanitizer that knows the tokens, and a
+/// canary that it deliberately does not know.
+struct Run {
+    canary: String,
+    sanitizer: Sanitizer,
+}
+
+impl Run {
+    fn new() -> Run {
+        let mut sanitizer = Sanitizer::new();
+        sanitizer.add_secret(OWNER_TOKEN, "owner-token").unwrap();
+        sanitizer.add_secret(OTHER_TOKEN, "other-token").unwrap();
+        sanitizer
+            .add_secret(DB_PASSWORD, "database-password")
+            .unwrap();
+        Run {
+            canary: new_canary(),
+            sanitizer,
+        }
+    }
+
+    fn options(&self) -> WriteOptions {
+        WriteOptions {
+            canary: self.canary.clone(),
+            subject: Subject {
+                name: "sandspec".into(),
+                sha256: "ab".repeat(32),
+                source: SubjectSource::ReferenceBinary,
+            },
+            interrupted: false,
+            not_run: Vec::new(),
+        }
+    }
+
+    fn write(&self, report: &RunReport, dest: &Path) -> Result<PathBuf, EvidenceError> {
+        write_run_folder(dest, report, &self.sanitizer, &self.options())
+    }
+}
+
+fn text(s: &str) -> Option<Body> {
+    Some(Body::of(s.as_bytes()))
+}
+
+fn http(
+    step: &str,
+    method: &str,
+    target: &str,
+    status: u16,
+    request: Option<Body>,
+    response: Option<Body>,
+) -> Entry {
+    Entry::Http(HttpExchange {
+        step: step.into(),
+        at_ms: 5,
+        credential: Credential::Principal(Principal::Owner),
+        method: method.into(),
+        target: target.into(),
+        request_headers: vec![("content-type".into(), "application/json".into())],
+        request_body: request,
+        status: Some(status),
+        response_headers: vec![(
+            "x-request-id".into(),
+            "req_01jabcdefghjkmnpqrstvwxyz0".into(),
+        )],
+        response_body: response,
+        duration_ms: 3,
+        error: None,
+    })
+}
+
+fn scenario(
+    id: &str,
+    family: &str,
+    level: Level,
+    outcome: Outcome,
+    transcript: Vec<Entry>,
+) -> ScenarioReport {
+    ScenarioReport {
+        id: id.into(),
+        title: format!("{id} title"),
+        family: family.into(),
+        file: format!("scenarios/{family}/{id}.yaml"),
+        level,
+        clauses: vec!["SBX-3.1".into()],
+        tags: vec![],
+        defects: vec![],
+        outcome,
+        duration_ms: 120,
+        attempts: 1,
+        measurements: BTreeMap::new(),
+        swept: vec![],
+        transcript,
+    }
+}
+
+/// A run with one passing lifecycle scenario full of secrets the sanitizer must remove, an
+/// SSE stream, a failing MUST, a skipped SHOULD and an error.
+fn report(canary: &str) -> RunReport {
+    let create_body = format!(r#"{{"template":"base","metadata":{{"canary_secret":"{canary}"}}}}"#);
+    let created =
+        format!(r#"{{"id":"{SBX}","state":"running","metadata":{{"canary_secret":"{canary}"}}}}"#);
+    let mut create = http(
+        "steps[0] create",
+        "POST",
+        "/v1/sandboxes",
+        201,
+        text(&create_body),
+        text(&created),
+    );
+    if let Entry::Http(h) = &mut create {
+        h.request_headers
+            .push(("X-Sandspec-Canary".into(), canary.into()));
+        h.request_headers
+            .push(("Cookie".into(), format!("session={OWNER_TOKEN}")));
+        h.response_headers
+            .push(("set-cookie".into(), "sid=abcdef0123456789".into()));
+    }
+    let preview = format!(
+        r#"{{"id":"prv_01jabcdefghjkmnpqrstvwxyz3","url":"http://127.0.0.1:4000/previews/prv_01jabcdefghjkmnpqrstvwxyz3/?preview_token={PREVIEW_TOKEN}","port":8080}}"#
+    );
+    let echo = format!(
+        r#"{{"headers":{{"authorization":"Bearer {OWNER_TOKEN}"}},"seen":"{OWNER_TOKEN}"}}"#
+    );
+    let db_error =
+        format!("store unreachable at postgres://sandspec:{DB_PASSWORD}@127.0.0.1:5432/sandspec");
+    let api_key = "config has sk-live0123456789abcdefghij and ghp_0123456789abcdefghijABCDEFGHIJ";
+    let mut lifecycle = scenario(
+        "SBX-LIFE-001",
+        "lifecycle",
+        Level::Must,
+        Outcome::Pass,
+        vec![
+            create,
+            http(
+                "steps[1] preview",
+                "POST",
+                &format!("/v1/sandboxes/{SBX}/previews"),
+                201,
+                text(r#"{"port":8080}"#),
+                text(&preview),
+            ),
+            http(
+                "steps[2] open preview",
+                "GET",
+                &format!("/previews/prv_01jabcdefghjkmnpqrstvwxyz3/?preview_token={PREVIEW_TOKEN}"),
+                200,
+                None,
+                text(&echo),
+            ),
+            http(
+                "steps[3] health",
+                "GET",
+                "/v1/health",
+                503,
+                None,
+                text(&db_error),
+            ),
+            http(
+                "steps[4] config",
+                "GET",
+                "/v1/capabilities",
+                200,
+                None,
+                text(api_key),
+            ),
+            Entry::Sse(SseExchange {
+                step: "steps[5] events".into(),
+                at_ms: 40,
+                credential: Credential::Principal(Principal::Owner),
+                target: "/v1/processes/local:prc_01jabcdefghjkmnpqrstvwxyz4/events".into(),
+                last_event_id: None,
+                status: Some(200),
+                response_headers: vec![("content-type".into(), "text/event-stream".into())],
+                frames: vec![
+                    Frame::Event {
+                        at_ms: 52,
+                        event: "stdout".into(),
+                        id: Some("1".into()),
+                        data: format!(r#"{{"seq":1,"data":"token {OTHER_TOKEN}"}}"#),
+                    },
+                    Frame::Comment {
+                        at_ms: 60,
+                        text: " ping".into(),
+                    },
+                    Frame::Event {
+                        at_ms: 75,
+                        event: "exit".into(),
+                        id: Some("2".into()),
+                        data: r#"{"seq":2,"state":"exited","exit_code":0,"signal":null}"#.into(),
+                    },
+                ],
+                first_frame_ms: Some(12),
+                eof_ms: Some(35),
+                end: "eof".into(),
+            }),
+            http(
+                "cleanup[0] DELETE /v1/sandboxes/{{sbx}}",
+                "DELETE",
+                &format!("/v1/sandboxes/{SBX}"),
+                204,
+                None,
+                None,
+            ),
+            http(
+                "cleanup[1] absent",
+                "GET",
+                &format!("/v1/sandboxes/{SBX}"),
+                404,
+                None,
+                text(r#"{"code":"not_found"}"#),
+            ),
+            http(
+                "cleanup[1] absent",
+                "GET",
+                "/v1/sandboxes?limit=100",
+                200,
+                None,
+                text(r#"{"data":[],"has_more":false}"#),
+            ),
+            Entry::Note(Note {
+                at_ms: 90,
+                text: format!("swept with Authorization: Bearer {OWNER_TOKEN}"),
+            }),
+        ],
+    );
+    lifecycle
+        .measurements
+        .insert("time_to_first_frame".into(), 0.012);
+    lifecycle.measurements.insert("time_to_eof".into(), 0.035);
+    let auth = scenario(
+        "AUTH-NOAUTH-001",
+        "auth",
+        Level::Must,
+        Outcome::Fail {
+            step: "steps[0] GET /v1/sandboxes".into(),
+            reason: "status 200, expected 401".into(),
+        },
+        vec![
+            http(
+                "steps[0] GET /v1/sandboxes",
+                "GET",
+                "/v1/sandboxes",
+                200,
+                None,
+                text(r#"{"data":[]}"#),
+            ),
+            http(
+                "steps[1] GET /v1/capabilities",
+                "GET",
+                "/v1/capabilities",
+                401,
+                None,
+                text(r#"{"code":"unauthenticated"}"#),
+            ),
+            http(
+                "steps[2] GET /v1/sandboxes/x",
+                "GET",
+                "/v1/sandboxes/x",
+                403,
+                None,
+                text(r#"{"code":"permission_denied"}"#),
+            ),
+        ],
+    );
+    let skip = scenario(
+        "SBX-PAUSE-001",
+        "lifecycle",
+        Level::Should,
+        Outcome::Skip {
+            reason: "target does not advertise `pause`".into(),
+        },
+        vec![],
+    );
+    let error = scenario(
+        "PRC-STREAM-001",
+        "processes",
+        Level::Must,
+        Outcome::Error {
+            reason: "target unreachable".into(),
+        },
+        vec![],
+    );
+    let scenarios = vec![lifecycle, auth, skip, error];
+    RunReport {
+        run_id: "01jrunidabcdefghjkmnpqrstv".into(),
+        suite_version: "0.1.0".into(),
+        started_at: "2026-01-02T03:04:05Z".into(),
+        finished_at: "2026-01-02T03:04:09.5Z".into(),
+        duration_ms: 4500,
+        target: TargetInfo {
+            kind: "reference".into(),
+            url: format!("http://alice:{DB_PASSWORD}@127.0.0.1:4000"),
+            server_name: Some("sandspec-reference".into()),
+            server_version: Some("0.1.0".into()),
+            defects: vec![],
+            capabilities: serde_json::json!({"api_version": "v1", "server": {"name": "sandspec-reference", "version": "0.1.0"}, "admin_token": "whatever-it-is"}),
+        },
+        profile: "all".into(),
+        filters: vec![],
+        shard: None,
+        retries: 0,
+        certify: false,
+        profiles: RunReport::judge(&scenarios, false),
+        scenarios,
+    }
+}
+
+/// Every file of a folder, by relative path.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                out.insert(
+                    p.strip_prefix(root).unwrap().to_string_lossy().into_owned(),
+                    std::fs::read(&p).unwrap(),
+                );
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+fn receipt(dir: &Path) -> Statement {
+    serde_json::from_slice(&std::fs::read(dir.join("receipt.json")).unwrap()).unwrap()
+}
+
+/// Copies a folder.
+fn copy(from: &Path, to: &Path) {
+    for (rel, bytes) in files(from) {
+        let p = to.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, bytes).unwrap();
+    }
+}
+
+/// Rewrites `manifest.json` so it matches the folder again: after this only the schema and
+/// the secret scan can notice a change.
+fn reseal(dir: &Path) {
+    let entries: Vec<serde_json::Value> = files(dir)
+        .into_iter()
+        .filter(|(rel, _)| rel != "manifest.json")
+        .map(|(rel, bytes)| serde_json::json!({"path": rel, "sha256": sha256_hex(&bytes), "bytes": bytes.len()}))
+        .collect();
+    std::fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&serde_json::json!({"files": entries})).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_clean_folder_is_written_and_verifies() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("runs").join("r1");
+    let written = run.write(&report(&run.canary), &dest).unwrap();
+    assert_eq!(written, dest);
+
+    let all = files(&dest);
+    let names: Vec<&str> = all.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "junit.xml",
+            "manifest.json",
+            "receipt.json",
+            "summary.md",
+            "transcripts/AUTH-NOAUTH-001.json",
+            "transcripts/PRC-STREAM-001.json",
+            "transcripts/SBX-LIFE-001.json",
+            "transcripts/SBX-PAUSE-001.json"
+        ]
+    );
+    for (name, bytes) in &all {
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        for secret in [
+            OWNER_TOKEN,
+            OTHER_TOKEN,
+            DB_PASSWORD,
+            PREVIEW_TOKEN,
+            run.canary.as_str(),
+            "sk-live0123",
+            "ghp_0123",
+            "abcdef0123456789",
+            "whatever-it-is",
+        ] {
+            assert!(!text.contains(secret), "{name} still holds {secret}");
+        }
+    }
+    // What the sanitizer keeps is still there: the transcript is evidence, not an empty shell.
+    let life = String::from_utf8(all["transcripts/SBX-LIFE-001.json"].clone()).unwrap();
+    assert!(
+        life.contains(SBX)
+            && life.contains("preview_token=[REDACTED]")
+            && life.contains("postgres://sandspec:[REDACTED]@"),
+        "{life}"
+    );
+    assert!(
+        life.contains(r#"\"canary_secret\":\"[REDACTED]\""#),
+        "{life}"
+    );
+
+    let report = verify(&dest);
+    assert!(report.ok(), "{:?}", report.problems);
+    assert_eq!(report.files_checked, 8);
+    assert_eq!(verify_cli(&dest), 0);
+}
+
+#[test]
+fn the_receipt_says_what_happened() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let raw: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dest.join("receipt.json")).unwrap()).unwrap();
+    validate_receipt(&raw).unwrap();
+    assert_eq!(raw["_type"], "https://in-toto.io/Statement/v1");
+    assert_eq!(raw["predicateType"], "https://sandspec.dev/receipt/v1");
+    assert_eq!(raw["subject"][0]["digest"]["sha256"], "ab".repeat(32));
+
+    let r = receipt(&dest).predicate;
+    assert_eq!(
+        r.target.base_url, "http://127.0.0.1:4000",
+        "credentials are dropped from the URL"
+    );
+    assert_eq!(r.target.api_version.as_deref(), Some("v1"));
+    assert!(!r.interrupted && r.not_run.is_empty());
+    let by_id = |id: &str| r.scenarios.iter().find(|s| s.id == id).unwrap();
+    // A failure stays a failure, with its step and reason; an error is not a pass either.
+    let auth = by_id("AUTH-NOAUTH-001");
+    assert_eq!(auth.outcome, OutcomeLabel::Fail);
+    assert_eq!(
+        auth.failed_step.as_deref(),
+        Some("steps[0] GET /v1/sandboxes")
+    );
+    assert_eq!(
+        auth.reason.as_deref(),
+        Some("steps[0] GET /v1/sandboxes: status 200, expected 401")
+    );
+    assert_eq!(by_id("PRC-STREAM-001").outcome, OutcomeLabel::Error);
+    // A skip carries its reason.
+    assert_eq!(
+        by_id("SBX-PAUSE-001").reason.as_deref(),
+        Some("target does not advertise `pause`")
+    );
+    let all = r.profiles.iter().find(|p| p.profile == "all").unwrap();
+    assert_eq!(all.verdict, "non-conformant");
+
+    let c = &r.counts;
+    assert_eq!(
+        (c.total, c.pass, c.flaky, c.skip, c.fail, c.error, c.not_run),
+        (4, 1, 0, 1, 1, 1, 0)
+    );
+    // 2xx: create, preview, open, capabilities, SSE, delete, list, and the auth scenario's 200.
+    assert_eq!(c.positive_operations, 8);
+    assert_eq!(c.authentication_rejections, 2);
+    assert_eq!(c.requests, 12);
+
+    let m: Vec<(&str, f64)> = r
+        .measurements
+        .iter()
+        .map(|m| (m.name.as_str(), m.seconds))
+        .collect();
+    assert_eq!(m, [("time_to_eof", 0.035), ("time_to_first_frame", 0.012)]);
+    assert_eq!(r.streams.len(), 1);
+    assert_eq!(
+        (
+            r.streams[0].first_frame_ms,
+            r.streams[0].eof_ms,
+            r.streams[0].events
+        ),
+        (Some(12), Some(35), 2)
+    );
+    assert_eq!(r.cleanup.confirmed_absent.len(), 1);
+    assert_eq!(
+        r.cleanup.confirmed_absent[0].path,
+        "/v1/sandboxes/local:<sbx-1>"
+    );
+    assert!(r.sanitizer.canary_checked);
+    assert_eq!(r.sanitizer.secrets_registered, 3);
+
+    // The transcript digest in the receipt is the transcript's.
+    let t = by_id("SBX-LIFE-001").transcript.clone().unwrap();
+    assert_eq!(
+        t.sha256,
+        sha256_hex(&std::fs::read(dest.join(&t.path)).unwrap())
+    );
+
+    let summary = std::fs::read_to_string(dest.join("summary.md")).unwrap();
+    assert!(summary.contains("**FAIL** `AUTH-NOAUTH-001`"), "{summary}");
+    assert!(summary.contains("**ERROR** `PRC-STREAM-001`"), "{summary}");
+    assert!(
+        summary.contains(
+            "`SBX-PAUSE-001` SBX-PAUSE-001 title (SHOULD): target does not advertise `pause`"
+        ),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("| all | **non-conformant** |"),
+        "{summary}"
+    );
+    let junit = std::fs::read_to_string(dest.join("junit.xml")).unwrap();
+    assert!(
+        junit.contains(r#"failures="1" errors="1" skipped="1""#),
+        "{junit}"
+    );
+}
+
+#[test]
+fn an_echoed_authorization_value_makes_writing_fail() {
+    // The scenario sent the canary as its Authorization value (literal header, not kept in
+    // the transcript); the target echoed it back in a response body, where no rule can
+    // recognise it as a credential.
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    rep.scenarios[1].transcript.push(Entry::Http(HttpExchange {
+        credential: Credential::ScenarioLiteral,
+        ..match http(
+            "steps[3] GET /echo",
+            "GET",
+            "/v1/echo",
+            200,
+            None,
+            text(&format!(r#"{{"you_sent":"{}"}}"#, run.canary)),
+        ) {
+            Entry::Http(h) => h,
+            _ => unreachable!(),
+        }
+    }));
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("r");
+    let err = run.write(&rep, &dest).unwrap_err();
+    match &err {
+        EvidenceError::Leak { file, what } => {
+            assert!(
+                file.starts_with("transcripts/AUTH-NOAUTH-001.json:"),
+                "{file}"
+            );
+            assert_eq!(what, "canary");
+        }
+        other => panic!("expected a leak, got {other}"),
+    }
+    assert!(
+        !err.to_string().contains(&run.canary),
+        "the error must not print the secret: {err}"
+    );
+    assert!(!dest.exists(), "nothing is written");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "no temporary directory is left behind"
+    );
+}
+
+#[test]
+fn an_echo_in_a_recognisable_credential_place_is_removed_instead() {
+    // Echoed as an Authorization header or field, the canary is removed like any credential,
+    // so the folder is written, and holds no canary.
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let body = format!(
+        r#"{{"headers":{{"Authorization":"{0}"}},"raw":"Authorization: {0}"}}"#,
+        run.canary
+    );
+    rep.scenarios[1].transcript.push(http(
+        "steps[3] GET /echo",
+        "GET",
+        "/v1/echo",
+        200,
+        None,
+        text(&body),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run.write(&rep, &tmp.path().join("r")).unwrap();
+    for (name, bytes) in files(&dest) {
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains(&run.canary),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_sanitized_report_holds_no_secret() {
+    let run = Run::new();
+    let clean = sanitized_report(&report(&run.canary), &run.sanitizer);
+    let json = serde_json::to_string(&clean).unwrap();
+    for secret in [OWNER_TOKEN, OTHER_TOKEN, DB_PASSWORD, PREVIEW_TOKEN] {
+        assert!(!json.contains(secret), "{secret}");
+    }
+    assert_eq!(
+        clean.scenarios[1].outcome,
+        report(&run.canary).scenarios[1].outcome,
+        "outcomes are kept"
+    );
+}
+
+#[test]
+fn a_canary_in_a_binary_body_is_found_too() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let mut bytes = vec![0xff, 0xfe, 0x00];
+    bytes.extend_from_slice(run.canary.as_bytes());
+    rep.scenarios[0].transcript.push(http(
+        "steps[9] read",
+        "GET",
+        "/v1/x",
+        200,
+        None,
+        Some(Body::of(&bytes)),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    match run.write(&rep, &tmp.path().join("r")).unwrap_err() {
+        EvidenceError::Leak { what, .. } => assert_eq!(what, "canary"),
+        other => panic!("expected a leak, got {other}"),
+    }
+}
+
+#[test]
+fn an_echoed_token_is_redacted_not_refused() {
+    // Tokens are known secrets: the sanitizer removes them, even from binary bodies.
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let mut bytes = vec![0xff, 0xfe];
+    bytes.extend_from_slice(OWNER_TOKEN.as_bytes());
+    rep.scenarios[0].transcript.push(http(
+        "steps[9] read",
+        "GET",
+        "/v1/x",
+        200,
+        None,
+        Some(Body::of(&bytes)),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run.write(&rep, &tmp.path().join("r")).unwrap();
+    let life = std::fs::read_to_string(dest.join("transcripts/SBX-LIFE-001.json")).unwrap();
+    let b64 = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(&bytes)
+    };
+    assert!(!life.contains(&b64));
+    assert!(verify(&dest).ok());
+}
+
+#[test]
+fn a_canary_registered_for_redaction_is_refused() {
+    let mut run = Run::new();
+    let canary = run.canary.clone();
+    run.sanitizer.add_secret(&canary, "canary").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        run.write(&report(&canary), &tmp.path().join("r")),
+        Err(EvidenceError::CanaryDisarmed)
+    ));
+}
+
+#[test]
+fn an_existing_folder_is_not_overwritten() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("r");
+    std::fs::create_dir_all(&dest).unwrap();
+    // An empty destination (a fresh `--out` directory) is fine...
+    run.write(&report(&run.canary), &dest).unwrap();
+    // ...a folder with evidence in it is not.
+    assert!(matches!(
+        run.write(&report(&run.canary), &dest),
+        Err(EvidenceError::Exists(_))
+    ));
+    assert!(verify(&dest).ok());
+}
+
+#[test]
+fn an_interrupted_run_says_so_and_lists_what_never_ran() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    rep.scenarios.truncate(2);
+    rep.profiles = RunReport::judge(&rep.scenarios, false);
+    let options = WriteOptions {
+        interrupted: true,
+        not_run: vec!["SBX-PAUSE-001".into(), "PRC-STREAM-001".into()],
+        ..run.options()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = write_run_folder(&tmp.path().join("r"), &rep, &run.sanitizer, &options).unwrap();
+    let r = receipt(&dest).predicate;
+    assert!(r.interrupted);
+    assert_eq!(r.not_run, ["SBX-PAUSE-001", "PRC-STREAM-001"]);
+    assert_eq!((r.counts.total, r.counts.not_run), (2, 2));
+    let summary = std::fs::read_to_string(dest.join("summary.md")).unwrap();
+    assert!(
+        summary.contains("**Interrupted.**")
+            && summary.contains("2 never ran: SBX-PAUSE-001, PRC-STREAM-001"),
+        "{summary}"
+    );
+    assert!(verify(&dest).ok());
+
+    // Scenarios listed as never run without the interruption flag would be a contradiction.
+    let bad = WriteOptions {
+        interrupted: false,
+        ..options
+    };
+    assert!(matches!(
+        write_run_folder(&tmp.path().join("r2"), &rep, &run.sanitizer, &bad),
+        Err(EvidenceError::NotRunWithoutInterruption)
+    ));
+}
+
+/// A written folder in a temporary directory, and its sibling copy for tampering.
+fn written_and_copy() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let copy_dir = tmp.path().join("copy");
+    copy(&dest, &copy_dir);
+    assert!(verify(&copy_dir).ok(), "an exact copy verifies");
+    (tmp, dest, copy_dir)
+}
+
+#[test]
+fn verify_fails_on_one_changed_byte() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let path = copy_dir.join("summary.md");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let i = bytes.iter().position(|b| *b == b'P').unwrap();
+    bytes[i] = b'Q';
+    std::fs::write(&path, bytes).unwrap();
+    let report = verify(&copy_dir);
+    assert_eq!(
+        report.problems,
+        [Problem::DigestMismatch("summary.md".into())]
+    );
+    assert_eq!(verify_cli(&copy_dir), 1);
+}
+
+#[test]
+fn verify_fails_on_a_pasted_token_even_with_a_matching_manifest() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let path = copy_dir.join("summary.md");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("\nreplay with: curl -H 'Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlMDEyMzQ1'\n");
+    std::fs::write(&path, text).unwrap();
+    reseal(&copy_dir);
+    let report = verify(&copy_dir);
+    assert!(!report.ok());
+    assert!(
+        report
+            .problems
+            .iter()
+            .all(|p| matches!(p, Problem::Secret { file, .. } if file == "summary.md")),
+        "{:?}",
+        report.problems
+    );
+    let shown: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
+    assert!(
+        shown.iter().all(|s| !s.contains("eyJ")),
+        "problems never print the value: {shown:?}"
+    );
+}
+
+#[test]
+fn verify_fails_on_an_unredacted_header_in_a_transcript() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let path = copy_dir.join("transcripts/SBX-LIFE-001.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    // Put the cookie value back where the sanitizer had redacted it.
+    let name = text
+        .find(r#""set-cookie","#)
+        .expect("the transcript records the header");
+    let value = name + text[name..].find(r#""[REDACTED]""#).unwrap();
+    let pasted = format!(
+        "{}\"sid=abcdef0123456789\"{}",
+        &text[..value],
+        &text[value + r#""[REDACTED]""#.len()..]
+    );
+    std::fs::write(&path, pasted).unwrap();
+    reseal(&copy_dir);
+    let problems = verify(&copy_dir).problems;
+    assert!(
+        problems.iter().any(|p| matches!(p, Problem::Secret { file, what, .. } if file == "transcripts/SBX-LIFE-001.json" && what == "credential-header")),
+        "{problems:?}"
+    );
+}
+
+#[test]
+fn verify_fails_on_a_receipt_that_breaks_the_schema() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let path = copy_dir.join("receipt.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    // Relabelling a failure as a pass without dropping its reason is exactly what the schema forbids.
+    let auth = v["predicate"]["scenarios"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|s| s["id"] == "AUTH-NOAUTH-001")
+        .unwrap();
+    auth["outcome"] = "pass".into();
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    reseal(&copy_dir);
+    let problems = verify(&copy_dir).problems;
+    assert!(!problems.is_empty());
+    assert!(
+        problems.iter().all(|p| matches!(p, Problem::Schema(_))),
+        "{problems:?}"
+    );
+
+    // An unknown field is a violation too.
+    v["predicate"]["extra"] = true.into();
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    reseal(&copy_dir);
+    assert!(
+        verify(&copy_dir)
+            .problems
+            .iter()
+            .any(|p| matches!(p, Problem::Schema(s) if s.contains("additionalProperties")))
+    );
+}
+
+#[test]
+fn verify_fails_on_missing_and_unlisted_files_and_inconsistent_counts() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    std::fs::remove_file(copy_dir.join("junit.xml")).unwrap();
+    std::fs::write(copy_dir.join("notes.txt"), "added later").unwrap();
+    let problems = verify(&copy_dir).problems;
+    assert!(
+        problems.contains(&Problem::Missing("junit.xml".into())),
+        "{problems:?}"
+    );
+    assert!(
+        problems.contains(&Problem::Unlisted("notes.txt".into())),
+        "{problems:?}"
+    );
+
+    let (_tmp2, _dest2, copy2) = written_and_copy();
+    let path = copy2.join("receipt.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["predicate"]["counts"]["fail"] = 0.into();
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    reseal(&copy2);
+    let problems = verify(&copy2).problems;
+    assert_eq!(
+        problems,
+        [Problem::Inconsistent(
+            "counts.fail is 0 but the scenarios give 1".into()
+        )]
+    );
+}
+
+#[test]
+fn verify_cli_refuses_a_missing_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    assert_eq!(verify_cli(&tmp.path().join("nope")), 2);
+    assert_eq!(
+        verify_cli(tmp.path()),
+        1,
+        "an empty folder has no manifest and no receipt"
+    );
+}
+
+/// The schema's honesty rules, on hand-made receipts.
+#[test]
+fn the_schema_enforces_the_honesty_rules() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let good: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dest.join("receipt.json")).unwrap()).unwrap();
+    fn idx(v: &serde_json::Value, id: &str) -> usize {
+        v["predicate"]["scenarios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|s| s["id"] == id)
+            .unwrap()
+    }
+    validate_receipt(&good).unwrap();
+    type Mutation = fn(&mut serde_json::Value);
+    let cases: Vec<(&str, Mutation)> = vec![
+        ("a skip without a reason", |v| {
+            let i = idx(v, "SBX-PAUSE-001");
+            v["predicate"]["scenarios"][i]["reason"] = serde_json::Value::Null;
+        }),
+        ("a failure without its step", |v| {
+            let i = idx(v, "AUTH-NOAUTH-001");
+            v["predicate"]["scenarios"][i]["failed_step"] = serde_json::Value::Null;
+        }),
+        ("a flaky pass on the first attempt", |v| {
+            let i = idx(v, "SBX-LIFE-001");
+            v["predicate"]["scenarios"][i]["outcome"] = "flaky".into();
+            v["predicate"]["scenarios"][i]["reason"] = "passed on attempt 1".into();
+        }),
+        ("never-run scenarios in an uninterrupted run", |v| {
+            v["predicate"]["not_run"] = serde_json::json!(["SBX-LIFE-002"])
+        }),
+        ("an unknown outcome", |v| {
+            let i = idx(v, "SBX-LIFE-001");
+            v["predicate"]["scenarios"][i]["outcome"] = "passed".into();
+        }),
+        ("credentials in the target URL", |v| {
+            v["predicate"]["target"]["base_url"] = "http://u:p@host".into()
+        }),
+        ("a conformant verdict with a reason", |v| {
+            v["predicate"]["profiles"][0]["verdict"] = "conformant".into();
+        }),
+        ("a subject without a digest", |v| {
+            v["subject"][0]["digest"] = serde_json::json!({})
+        }),
+    ];
+    for (what, mutate) in cases {
+        let mut v = good.clone();
+        mutate(&mut v);
+        assert!(validate_receipt(&v).is_err(), "the schema accepted {what}");
+    }
+}
+
+/// detect-secrets over every file of the current directory. Its entropy detectors flag
+/// identifiers that a receipt exists to carry, so exactly those formats are excluded: SHA-256
+/// digests and git commits (64 and 40 lowercase hex), and the API's ULID-based IDs (a short
+/// lowercase kind such as `req_`, `sbx_` or `sub_`, then 26 characters), alone or as a segment of a URL path whose other segments
+/// are short lowercase words (`/v1/sandboxes/sbx_…/files`). Nothing else is. `.ci/run` can run
+/// the same scan on a real run folder with these arguments.
+const DETECT_SECRETS_ARGS: &[&str] = &[
+    "scan",
+    "--all-files",
+    "--exclude-secrets",
+    "^[0-9a-f]{40}([0-9a-f]{24})?$",
+    "--exclude-secrets",
+    // A trailing backslash: the closing quote, escaped, inside a JSON body kept as text.
+    r"^/?([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26})(/([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26}))*/?\\?$",
+];
+
+/// Runs detect-secrets (PyPI, an independent scanner) over `dir` and returns its findings
+/// as `file:line type: line text`, or `None` when it cannot be installed. It is installed in
+/// a virtualenv under the target directory; unavailable is a visible skip locally and a
+/// failure under `CI=true`.
+fn detect_secrets(dir: &Path) -> Option<Vec<String>> {
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let unavailable = |why: String| {
+        assert!(!in_ci, "detect-secrets is required in CI: {why}");
+        eprintln!("SKIPPED: detect-secrets is unavailable: {why}");
+        None
+    };
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("detect-secrets-venv");
+    let bin = venv.join("bin").join("detect-secrets");
+    // One test installs, the others wait for it.
+    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+    if !bin.exists() {
+        match Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
+        }
+        let pip = venv.join("bin").join("pip");
+        match Command::new(&pip)
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "detect-secrets==1.5.0",
+            ])
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => {
+                let _ = std::fs::remove_dir_all(&venv);
+                return unavailable(format!("pip install detect-secrets failed: {other:?}"));
+            }
+        }
+    }
+    drop(guard);
+    let out = Command::new(&bin)
+        .args(DETECT_SECRETS_ARGS)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "detect-secrets failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    Some(
+        result["results"]
+            .as_object()
+            .unwrap()
+            .values()
+            .flat_map(|list| list.as_array().unwrap().iter())
+            .map(|f| {
+                let file = f["filename"].as_str().unwrap();
+                let line = f["line_number"].as_u64().unwrap() as usize;
+                let text = std::fs::read_to_string(dir.join(file)).unwrap();
+                format!(
+                    "{file}:{line} {}: {}",
+                    f["type"],
+                    text.lines().nth(line - 1).unwrap_or_default().trim()
+                )
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn detect_secrets_finds_nothing() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let Some(findings) = detect_secrets(&dest) else {
+        return;
+    };
+    assert!(
+        findings.is_empty(),
+        "detect-secrets found:\n{}",
+        findings.join("\n")
+    );
+
+    // The control: the same scanner does find a secret pasted into the folder.
+    std::fs::write(
+        dest.join("pasted.txt"),
+        format!(
+            "aws_secret_access_key = \"{}\"\n",
+            "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+        ),
+    )
+    .unwrap();
+    let findings = detect_secrets(&dest).unwrap();
+    assert!(
+        findings.iter().any(|f| f.starts_with("pasted.txt:1 ")),
+        "the control secret was not found: {findings:?}"
+    );
+}
+
+/// A run through the real engine against a fresh reference server, written as a run folder.
+struct RealRun {
+    _tmp: tempfile::TempDir,
+    dest: PathBuf,
+    scenarios: usize,
+    /// The run's tokens and canary: none of them may appear in the folder.
+    secrets: Vec<String>,
+    run_id: String,
+}
+
+/// Runs the catalog (or the scenarios with these IDs) and writes the folder.
+async fn real_run(only: &[&str], jobs: usize) -> RealRun {
+    let binary = PathBuf::from(env!("CARGO_BIN_EXE_sandspec"));
+    let options = ReferenceOptions {
+        binary: binary.clone(),
+        ..ReferenceOptions::default()
+    };
+    let target = Arc::new(Target::start_reference(&options).await.unwrap());
+    // Files that do not parse are the catalog's own tests' business; this runs what parses.
+    let (mut scenarios, _) =
+        load_dir_partial(&Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios"));
+    if !only.is_empty() {
+        scenarios.retain(|s| only.contains(&s.id()));
+        assert_eq!(
+            scenarios.len(),
+            only.len(),
+            "every chosen scenario is in the catalog"
+        );
+    }
+    let run_id = ulid::Ulid::new().to_string().to_lowercase();
+    let now = || {
+        time::OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    };
+    let started_at = now();
+    let started = std::time::Instant::now();
+    let results = run_all(&target, &scenarios, &run_id, jobs, 0).await;
+    let reports: Vec<ScenarioReport> = scenarios
+        .iter()
+        .zip(results)
+        .map(|(s, r)| ScenarioReport::new(s, r))
+        .collect();
+    let caps = &target.capabilities;
+    let report = RunReport {
+        run_id: run_id.clone(),
+        suite_version: env!("CARGO_PKG_VERSION").into(),
+        started_at,
+        finished_at: now(),
+        duration_ms: started.elapsed().as_millis() as u64,
+        target: TargetInfo {
+            kind: "reference".into(),
+            url: target.base_url.clone(),
+            server_name: caps.server_name.clone(),
+            server_version: caps.server_version.clone(),
+            defects: vec![],
+            capabilities: caps.raw.clone(),
+        },
+        profile: "all".into(),
+        filters: vec![],
+        shard: None,
+        retries: 0,
+        certify: false,
+        profiles: RunReport::judge(&reports, false),
+        scenarios: reports,
+    };
+    let tokens = &target.tokens;
+    let sanitizer = for_tokens(tokens).unwrap();
+    assert_eq!(
+        sanitizer.secret_count(),
+        2 + usize::from(tokens.admin.is_some())
+    );
+    let write = WriteOptions {
+        canary: new_canary(),
+        subject: Subject::reference_binary(&binary).unwrap(),
+        interrupted: false,
+        not_run: vec![],
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = write_run_folder(
+        &tmp.path().join(&report.run_id),
+        &report,
+        &sanitizer,
+        &write,
+    )
+    .unwrap();
+    let mut secrets = vec![
+        tokens.owner.clone(),
+        tokens.other.clone(),
+        write.canary.clone(),
+    ];
+    secrets.extend(tokens.admin.clone());
+    RealRun {
+        _tmp: tmp,
+        dest,
+        scenarios: scenarios.len(),
+        secrets,
+        run_id,
+    }
+}
+
+/// The whole catalog against the reference server, through the real engine, written as a
+/// run folder: it verifies, holds none of the run's tokens, and detect-secrets finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_run_writes_a_verified_folder() {
+    let run = real_run(&[], 2).await;
+    let verified = verify(&run.dest);
+    assert!(verified.ok(), "{:?}", verified.problems);
+    for (name, bytes) in files(&run.dest) {
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            run.secrets.iter().all(|s| !text.contains(s.as_str())),
+            "{name} holds a token of the run"
+        );
+    }
+    let r = receipt(&run.dest).predicate;
+    assert_eq!(r.counts.total, run.scenarios);
+    assert_eq!(r.target.subject_source, SubjectSource::ReferenceBinary);
+    assert_eq!(r.target.api_version.as_deref(), Some("v1"));
+    assert!(
+        r.counts.positive_operations > 0 && r.counts.authentication_rejections > 0,
+        "{:?}",
+        r.counts
+    );
+    let Some(findings) = detect_secrets(&run.dest) else {
+        return;
+    };
+    assert!(
+        findings.is_empty(),
+        "detect-secrets found:\n{}",
+        findings.join("\n")
+    );
+}
+
+/// Scenarios whose observed behaviour is kept as snapshots: no polling and no timing-bound
+/// counts, so two runs of one build give the same normal form. They run one at a time, so
+/// no list response shows another scenario's sandbox.
+const SNAPSHOT_SCENARIOS: &[&str] = &[
+    "SBX-LIFE-001",
+    "AUTH-MATRIX-001",
+    "SBX-OWN-001",
+    "PRC-STREAM-001",
+];
+
+/// The normalized receipt and the normalized lifecycle transcript of a run against the
+/// reference server. A change here is a change in what the reference server or the
+/// scenarios do: review it, then accept it with `INSTA_UPDATE=always`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_of_a_reference_run() {
+    let run = real_run(SNAPSHOT_SCENARIOS, 1).await;
+    assert!(verify(&run.dest).ok());
+    let read = |rel: &str| {
+        serde_json::from_slice::<serde_json::Value>(&std::fs::read(run.dest.join(rel)).unwrap())
+            .unwrap()
+    };
+    let pretty = |v: serde_json::Value| serde_json::to_string_pretty(&v).unwrap();
+    insta::assert_snapshot!(
+        "reference_receipt",
+        pretty(normalize(&read("receipt.json"), Some(&run.run_id)))
+    );
+    insta::assert_snapshot!(
+        "reference_transcript_sbx_life_001",
+        pretty(normalize(
+            &read("transcripts/SBX-LIFE-001.json"),
+            Some(&run.run_id)
+        ))
+    );
+}
