@@ -157,6 +157,8 @@ pub struct Config {
     pub test_controls: bool,
     pub defects: Defects,
     pub tls: Option<Tls>,
+    /// How the sessions gateway runs its workers and reaches a model.
+    pub gateway: crate::gateway::GatewayConfig,
 }
 
 impl Config {
@@ -191,6 +193,7 @@ impl Config {
             test_controls: true,
             defects: Defects::none(),
             tls: None,
+            gateway: Default::default(),
         }
     }
 

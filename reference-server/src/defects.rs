@@ -51,6 +51,30 @@ pub enum Defect {
     IdempotencyIgnored,
     /// Output written after the client disconnects is lost.
     OutputLostOnDisconnect,
+    /// A submission whose worker died is queued again and re-run instead of becoming `uncertain`.
+    WorkerDeathReplaysTurn,
+    /// Deleting a session that borrowed its sandbox kills that sandbox.
+    BorrowedSandboxKilledOnDelete,
+    /// A sandbox whose create completes after its session was deleted is left running.
+    LateCreateLeaks,
+    /// Cancelling a finished submission turns it into `cancelled`.
+    CancelFinishedChangesIt,
+    /// Bridge writes under a stale lease generation are accepted.
+    StaleLeaseWriteAccepted,
+    /// A bridge request with an empty control revision is accepted.
+    EmptyRevisionAccepted,
+    /// Submission results stay readable after `retention.result_s`.
+    ResultNeverExpires,
+    /// A session's queued submissions start while an earlier one is still running.
+    QueueRunsConcurrently,
+    /// A resumed session event stream skips the first event after the cursor.
+    SessionStreamDropsOnResume,
+    /// Bridge requests are accepted without checking their signature.
+    BridgeSignatureUnchecked,
+    /// Deleting a session that owns its sandbox only detaches it, leaving it running.
+    OwnedSandboxLeftOnDelete,
+    /// Cancel of a running submission answers 202 but the turn keeps running.
+    CancelRunningIgnored,
 }
 
 impl Defect {
@@ -75,6 +99,18 @@ impl Defect {
         Defect::CloneSharesFiles,
         Defect::IdempotencyIgnored,
         Defect::OutputLostOnDisconnect,
+        Defect::WorkerDeathReplaysTurn,
+        Defect::BorrowedSandboxKilledOnDelete,
+        Defect::LateCreateLeaks,
+        Defect::CancelFinishedChangesIt,
+        Defect::StaleLeaseWriteAccepted,
+        Defect::EmptyRevisionAccepted,
+        Defect::ResultNeverExpires,
+        Defect::QueueRunsConcurrently,
+        Defect::SessionStreamDropsOnResume,
+        Defect::BridgeSignatureUnchecked,
+        Defect::OwnedSandboxLeftOnDelete,
+        Defect::CancelRunningIgnored,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -99,6 +135,18 @@ impl Defect {
             Defect::CloneSharesFiles => "clone-shares-files",
             Defect::IdempotencyIgnored => "idempotency-ignored",
             Defect::OutputLostOnDisconnect => "output-lost-on-disconnect",
+            Defect::WorkerDeathReplaysTurn => "worker-death-replays-turn",
+            Defect::BorrowedSandboxKilledOnDelete => "borrowed-sandbox-killed-on-delete",
+            Defect::LateCreateLeaks => "late-create-leaks",
+            Defect::CancelFinishedChangesIt => "cancel-finished-changes-it",
+            Defect::StaleLeaseWriteAccepted => "stale-lease-write-accepted",
+            Defect::EmptyRevisionAccepted => "empty-revision-accepted",
+            Defect::ResultNeverExpires => "result-never-expires",
+            Defect::QueueRunsConcurrently => "queue-runs-concurrently",
+            Defect::SessionStreamDropsOnResume => "session-stream-drops-on-resume",
+            Defect::BridgeSignatureUnchecked => "bridge-signature-unchecked",
+            Defect::OwnedSandboxLeftOnDelete => "owned-sandbox-left-on-delete",
+            Defect::CancelRunningIgnored => "cancel-running-ignored",
         }
     }
 
@@ -130,6 +178,18 @@ impl Defect {
             Defect::CloneSharesFiles => "a clone shares its files with the source sandbox",
             Defect::IdempotencyIgnored => "an idempotent replay creates a second resource",
             Defect::OutputLostOnDisconnect => "output produced after the client goes away is lost",
+            Defect::WorkerDeathReplaysTurn => "a turn whose worker died is run again",
+            Defect::BorrowedSandboxKilledOnDelete => "a session delete kills its borrowed sandbox",
+            Defect::LateCreateLeaks => "a sandbox created after its session's delete is left",
+            Defect::CancelFinishedChangesIt => "cancelling a finished submission changes its state",
+            Defect::StaleLeaseWriteAccepted => "bridge writes under a stale lease are accepted",
+            Defect::EmptyRevisionAccepted => "an empty bridge control revision is accepted",
+            Defect::ResultNeverExpires => "submission results never expire",
+            Defect::QueueRunsConcurrently => "queued submissions of one session run concurrently",
+            Defect::SessionStreamDropsOnResume => "a resumed session stream skips an event",
+            Defect::BridgeSignatureUnchecked => "bridge signatures are not checked",
+            Defect::OwnedSandboxLeftOnDelete => "a session delete leaves its own sandbox running",
+            Defect::CancelRunningIgnored => "a running turn's cancel is answered but not done",
         }
     }
 }

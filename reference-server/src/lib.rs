@@ -12,16 +12,24 @@
 //! - [`sandbox`]: providers that run real sandboxes: working directories, process groups,
 //!   files confined with capability-based I/O, previews.
 //! - [`stream`]: the durable per-stream event log, live wake-ups and the SSE response.
+//! - [`gateway`]: the Agents Sessions gateway: sessions, queues, leases, the private bridge
+//!   and the worker that runs turns inside each session's sandbox.
+//! - [`model_fixture`]: an OpenAI-compatible model server replaying scripted responses.
 //! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
 //! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
 //! - [`cli`]: the `sandspec serve` command line.
+//! - [`testing`]: fixtures for tests of this crate and the runner: a private PostgreSQL
+//!   cluster.
 
 pub mod api;
 pub mod cli;
 pub mod config;
 pub mod defects;
 pub mod domain;
+pub mod gateway;
+pub mod model_fixture;
 pub mod sandbox;
 pub mod server;
 pub mod store;
 pub mod stream;
+pub mod testing;
