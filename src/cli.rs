@@ -91,6 +91,10 @@ pub struct RunArgs {
     /// Re-run a failed scenario up to N times; a later pass is reported FLAKY.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub retries: u32,
+    /// Allow a target that is not on loopback without asking: a live run against a real
+    /// deployment, whose resources are tagged with the run ID and swept at the end.
+    #[arg(long, requires = "target")]
+    pub live: bool,
     /// Start the reference server with this deliberate defect (reference target only).
     #[arg(long, value_name = "NAME", conflicts_with = "target")]
     pub defect: Vec<String>,
@@ -112,6 +116,105 @@ pub struct ListArgs {
     /// Only scenarios matching this text (repeatable).
     #[arg(long, value_name = "SUBSTR")]
     pub filter: Vec<String>,
+}
+
+/// `sandspec sweep`: removes test resources left by earlier, interrupted runs.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = "Exit codes:
+  0  every leftover found was removed (or none was found)
+  1  a leftover could not be removed
+  2  usage error
+  3  the target could not be reached")]
+pub struct SweepArgs {
+    /// Base URL of the target.
+    #[arg(long, value_name = "URL")]
+    pub target: String,
+    /// Environment variable holding a principal's token whose leftovers are swept.
+    #[arg(long, value_name = "NAME")]
+    pub owner_token_env: String,
+    /// Environment variable holding a second principal's token, swept too.
+    #[arg(long, value_name = "NAME")]
+    pub other_token_env: Option<String>,
+    /// PEM file of a private CA to trust (only it) for an https target.
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Only resources created at least this long ago (`30m`, `2h`, `1d`), so that a run in
+    /// progress is left alone.
+    #[arg(long, value_name = "AGE", default_value = "30m", value_parser = crate::live::parse_age)]
+    pub older_than: std::time::Duration,
+    /// List what would be removed without removing it.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Allow a target that is not on loopback without asking.
+    #[arg(long)]
+    pub live: bool,
+}
+
+/// `sandspec sweep` from a synchronous `main`.
+pub fn sweep_blocking(args: SweepArgs) -> ExitCode {
+    match tokio::runtime::Runtime::new() {
+        Ok(runtime) => ExitCode::from(runtime.block_on(sweep(args))),
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            ExitCode::from(EXIT_HARNESS)
+        }
+    }
+}
+
+async fn sweep(args: SweepArgs) -> u8 {
+    if let Err(e) = crate::live::guard(&args.target, args.live) {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
+    let mut envs = vec![args.owner_token_env.clone()];
+    envs.extend(args.other_token_env.clone());
+    let mut failed = false;
+    for env in &envs {
+        let target = match Target::connect_url(
+            &args.target,
+            env,
+            env,
+            None,
+            args.ca_file.as_deref(),
+        )
+        .await
+        {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return if e.is_usage() {
+                    EXIT_USAGE
+                } else {
+                    EXIT_HARNESS
+                };
+            }
+        };
+        match crate::live::sweep_older_than(&target, args.older_than, args.dry_run).await {
+            Ok(found) => {
+                for s in &found {
+                    let what = match (args.dry_run, s.removed) {
+                        (true, _) => "would remove",
+                        (false, true) => "removed",
+                        (false, false) => "could NOT remove",
+                    };
+                    println!("{what} {} (run {}, principal from ${env})", s.id, s.run);
+                    failed |= !args.dry_run && !s.removed;
+                }
+                if found.is_empty() {
+                    println!("nothing to sweep for the principal from ${env}");
+                }
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_HARNESS;
+            }
+        }
+    }
+    if failed {
+        EXIT_NOT_CONFORMANT
+    } else {
+        EXIT_CONFORMANT
+    }
 }
 
 /// `--shard i/n`.
@@ -291,6 +394,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     let started = Instant::now();
     let (target, kind) = match &args.target {
         Some(url) => {
+            crate::live::guard(url, args.live).map_err(|e| RunError::Usage(e.to_string()))?;
             let owner = args
                 .owner_token_env
                 .as_deref()
@@ -346,6 +450,23 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .zip(results)
         .map(|(s, r)| ScenarioReport::new(s, r))
         .collect();
+    // Anything still tagged with this run's ID is a cleanup failure of the run.
+    let run_swept = match crate::live::sweep_run(&target, &run_id).await {
+        Ok(found) => found,
+        Err(e) => return Err(RunError::Harness(format!("end-of-run sweep failed: {e}"))),
+    };
+    for s in &run_swept {
+        eprintln!(
+            "cleanup failure: {} (run {}) was still there after every scenario; {}",
+            s.id,
+            s.run,
+            if s.removed {
+                "the sweep removed it"
+            } else {
+                "the sweep could NOT remove it"
+            }
+        );
+    }
     let profiles = RunReport::judge(&scenarios, args.certify);
     let report = RunReport {
         run_id,
@@ -368,6 +489,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         certify: args.certify,
         scenarios,
         profiles,
+        run_swept: run_swept
+            .iter()
+            .map(|s| format!("/v1/sandboxes/{}", s.id))
+            .collect(),
     };
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
     print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
@@ -383,6 +508,13 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .any(|s| matches!(s.outcome, Outcome::Error { .. }))
     {
         return Ok(EXIT_HARNESS);
+    }
+    if !report.run_swept.is_empty() {
+        eprintln!(
+            "not conformant: the run left {} resource(s) behind",
+            report.run_swept.len()
+        );
+        return Ok(EXIT_NOT_CONFORMANT);
     }
     Ok(if judged == Some(Verdict::Conformant) {
         EXIT_CONFORMANT
@@ -539,12 +671,17 @@ fn run_sanitizer(
     captured: &[String],
 ) -> Result<crate::evidence::Sanitizer, RunError> {
     let mut sanitizer = crate::evidence::for_tokens(&target.tokens).map_err(|e| {
-        RunError::Usage(format!("cannot protect the target's tokens in evidence: {e}"))
+        RunError::Usage(format!(
+            "cannot protect the target's tokens in evidence: {e}"
+        ))
     })?;
     for (i, value) in captured.iter().enumerate() {
         // A captured secret too short to redact reliably is refused by the sanitizer; the
         // leak scan still runs over everything that is written.
-        if sanitizer.add_secret(value, &format!("captured-secret-{i}")).is_err() {
+        if sanitizer
+            .add_secret(value, &format!("captured-secret-{i}"))
+            .is_err()
+        {
             eprintln!("warning: a captured secret is too short to be redacted by value");
         }
     }
@@ -573,12 +710,12 @@ fn write_outputs(
         interrupted: false,
         not_run: Vec::new(),
     };
-    let written = write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;
+    let written =
+        write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;
     eprintln!("evidence: {}", written.display());
     if let Some(file) = &args.junit {
         let junit = junit_xml(&crate::evidence::sanitized_report(report, sanitizer));
-        std::fs::write(file, junit)
-            .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        std::fs::write(file, junit).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
     }
     Ok(())
 }

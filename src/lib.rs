@@ -15,7 +15,9 @@
 //!   verdicts and the JUnit XML writer.
 //! - [`evidence`]: the evidence receipt, the one sanitizer, the run-folder writer and its
 //!   verifier.
-//! - [`cli`]: `sandspec run` and `sandspec list`.
+//! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
+//!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
+//! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
 //! into the reference server's process or store.
@@ -26,6 +28,7 @@
 pub mod cli;
 pub mod engine;
 pub mod evidence;
+pub mod live;
 pub mod report;
 pub mod scenario;
 pub mod sse;

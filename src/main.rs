@@ -1,4 +1,4 @@
-//! The `sandspec` command: the runner (`run`, `list`, `evidence verify`) and `sandspec serve`
+//! The `sandspec` command: the runner (`run`, `list`, `sweep`, `evidence verify`) and `sandspec serve`
 //! (the reference server). `main` only parses arguments and calls library functions.
 
 use std::path::PathBuf;
@@ -23,6 +23,8 @@ enum Command {
     Run(sandspec::cli::RunArgs),
     /// List the scenario catalog: ID, level, clauses, title.
     List(sandspec::cli::ListArgs),
+    /// Remove test resources (tagged `sandspec_run`) left by earlier, interrupted runs.
+    Sweep(sandspec::cli::SweepArgs),
     /// Run the reference server.
     Serve(reference_server::cli::ServeArgs),
     /// Work with evidence folders.
@@ -45,6 +47,7 @@ fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Run(args) => sandspec::cli::run_blocking(args),
         Command::List(args) => sandspec::cli::list(&args),
+        Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
         Command::Serve(args) => reference_server::cli::main(args),
         Command::Evidence(EvidenceCommand::Verify { dir }) => {
             ExitCode::from(u8::try_from(sandspec::evidence::verify_cli(&dir)).unwrap_or(1))

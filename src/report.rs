@@ -182,6 +182,10 @@ pub struct RunReport {
     pub scenarios: Vec<ScenarioReport>,
     /// One per family present in the run, plus `all`.
     pub profiles: Vec<ProfileVerdict>,
+    /// Paths of resources still tagged with this run's ID after every scenario finished,
+    /// removed by the end-of-run sweep. Anything here is a cleanup failure of the run.
+    #[serde(default)]
+    pub run_swept: Vec<String>,
 }
 
 impl RunReport {
@@ -475,6 +479,7 @@ mod tests {
             certify: false,
             profiles: RunReport::judge(&scenarios, false),
             scenarios,
+            run_swept: Vec::new(),
         };
         let xml = junit_xml(&rep);
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");

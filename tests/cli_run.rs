@@ -1,7 +1,7 @@
 //! `sandspec run` end to end through its argument parser, against a reference server started
 //! here and named with `--target` (tokens in environment variables): a clean server is
-//! conformant (exit 0) with report.json and JUnit written; a server with a defect is not
-//! (exit 1) and the report names the failing scenario.
+//! conformant (exit 0) with a verified evidence folder written; a server with a defect is not
+//! (exit 1) and the receipt names the failing scenario. Also `sandspec sweep`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -77,8 +77,15 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
     let clean = dir.path().join("clean");
     let code = run_against(&[], "SANDSPEC_CLI_CLEAN", &clean).await;
     assert_eq!(code, ExitCode::from(0));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(clean.join("report.json")).unwrap()).unwrap();
+    assert_eq!(
+        sandspec::evidence::verify_cli(&clean),
+        0,
+        "the folder verifies"
+    );
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(clean.join("receipt.json")).unwrap())
+            .unwrap();
+    let report = &receipt["predicate"];
     let all = report["profiles"]
         .as_array()
         .unwrap()
@@ -106,7 +113,9 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
             .unwrap()
             > 0.0
     );
-    let transcript = stream["transcript"].to_string();
+    let transcript =
+        std::fs::read_to_string(clean.join(stream["transcript"]["path"].as_str().unwrap()))
+            .unwrap();
     if cfg!(feature = "interop") {
         assert!(
             transcript.contains("interop: eventsource-client read"),
@@ -118,21 +127,21 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
         junit.contains("<testcase classname=\"lifecycle\" name=\"SBX-LIFE-001"),
         "{junit}"
     );
-    // Tokens never reach the report.
-    let text = std::fs::read_to_string(clean.join("report.json")).unwrap();
-    assert!(!text.contains("sst_"), "a token leaked into report.json");
+    // Tokens never reach the evidence.
+    let text = std::fs::read_to_string(clean.join("receipt.json")).unwrap() + &transcript;
+    assert!(!text.contains("sst_"), "a token leaked into the evidence");
 
     let broken = dir.path().join("broken");
     let code = run_against(&["ttl-not-enforced"], "SANDSPEC_CLI_BROKEN", &broken).await;
     assert_eq!(code, ExitCode::from(1));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(broken.join("report.json")).unwrap())
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(broken.join("receipt.json")).unwrap())
             .unwrap();
-    let failed: Vec<&str> = report["scenarios"]
+    let failed: Vec<&str> = receipt["predicate"]["scenarios"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|s| s["outcome"].get("fail").is_some())
+        .filter(|s| s["outcome"] == "fail")
         .map(|s| s["id"].as_str().unwrap())
         .collect();
     assert_eq!(failed, vec!["SBX-LIFE-002"]);
@@ -172,4 +181,92 @@ fn list_and_bad_flags() {
     assert!(
         Wrapper::try_parse_from(["run", "--target", "http://x", "--defect", "pause-noop"]).is_err()
     );
+}
+
+/// Creates a sandbox as the owner over plain HTTP, returning its ID.
+async fn create(server: &ReferenceServer, metadata: serde_json::Value) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/sandboxes", server.url))
+        .bearer_auth(&server.tokens.owner)
+        .json(&serde_json::json!({"metadata": metadata}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 201);
+    resp.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+async fn status_of(server: &ReferenceServer, id: &str) -> u16 {
+    reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{id}", server.url))
+        .bearer_auth(&server.tokens.owner)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn sweep_removes_only_tagged_leftovers() {
+    #[derive(Parser)]
+    struct SweepWrapper {
+        #[command(flatten)]
+        sweep: sandspec::cli::SweepArgs,
+    }
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // SAFETY: set once, before any thread reads it; the name is unique to this test.
+    unsafe { std::env::set_var("SANDSPEC_SWEEP_OWNER", &server.tokens.owner) };
+    let tagged = create(&server, serde_json::json!({"sandspec_run": "old-run"})).await;
+    let untagged = create(&server, serde_json::json!({"team": "keep"})).await;
+    let sweep = |extra: &[&str]| {
+        let mut argv = vec![
+            "sweep",
+            "--target",
+            &server.url,
+            "--owner-token-env",
+            "SANDSPEC_SWEEP_OWNER",
+            "--older-than",
+            "0s",
+        ];
+        argv.extend_from_slice(extra);
+        SweepWrapper::try_parse_from(argv).unwrap().sweep
+    };
+    // A dry run removes nothing.
+    let code = tokio::task::spawn_blocking({
+        let args = sweep(&["--dry-run"]);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(status_of(&server, &tagged).await, 200);
+    // A real sweep removes the tagged sandbox and only it.
+    let code = tokio::task::spawn_blocking({
+        let args = sweep(&[]);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(status_of(&server, &tagged).await, 404);
+    assert_eq!(status_of(&server, &untagged).await, 200);
+    // Something younger than --older-than is left alone.
+    let young = create(&server, serde_json::json!({"sandspec_run": "running-now"})).await;
+    let code = tokio::task::spawn_blocking({
+        let mut args = sweep(&[]);
+        args.older_than = std::time::Duration::from_secs(3600);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(status_of(&server, &young).await, 200);
 }

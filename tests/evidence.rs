@@ -328,6 +328,7 @@ fn report(canary: &str) -> RunReport {
         certify: false,
         profiles: RunReport::judge(&scenarios, false),
         scenarios,
+        run_swept: Vec::new(),
     }
 }
 
@@ -1137,6 +1138,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         certify: false,
         profiles: RunReport::judge(&reports, false),
         scenarios: reports,
+        run_swept: Vec::new(),
     };
     let tokens = &target.tokens;
     let sanitizer = for_tokens(tokens).unwrap();

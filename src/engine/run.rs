@@ -926,7 +926,8 @@ impl<'a> Ctx<'a> {
     /// is a failure message. Only plain-HTTP targets are probed (the probe has no TLS stack).
     /// Reads the same stream with `eventsource-client`, when the `interop` feature is on and
     /// the step allows it. Only plain-HTTP targets are probed (the probe has no TLS stack),
-    /// and only streams authenticated as a principal with no extra headers.
+    /// and only streams authenticated as a principal with no extra headers (the run's canary
+    /// aside).
     fn interop_probe(
         &self,
         s: &Sse,
@@ -939,7 +940,7 @@ impl<'a> Ctx<'a> {
             && !p.literal_auth
             && p.headers
                 .iter()
-                .all(|(k, _)| k == "Accept" || k == "Last-Event-ID")
+                .all(|(k, _)| k == "Accept" || k == "Last-Event-ID" || k == CANARY_HEADER)
             && p.headers
                 .iter()
                 .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));

@@ -70,6 +70,7 @@ impl<'a> Cleaner<'a> {
                     ..p.clone()
                 })
                 .collect(),
+            run_swept: self.all(&r.run_swept),
         }
     }
 

@@ -307,6 +307,9 @@ pub struct AbsenceConfirmation {
     pub path: String,
 }
 
+/// The name under which the end-of-run sweep's findings are recorded.
+pub const RUN_SWEEP: &str = "RUN-SWEEP";
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SweptResource {
@@ -424,6 +427,13 @@ impl Statement {
                 path: placeholders.apply(p),
             }));
         }
+        // The end-of-run sweep's findings: left behind by the run, whichever scenario it was.
+        cleanup
+            .swept
+            .extend(report.run_swept.iter().map(|p| SweptResource {
+                scenario: RUN_SWEEP.to_owned(),
+                path: placeholders.apply(p),
+            }));
         let measurements = report
             .scenarios
             .iter()

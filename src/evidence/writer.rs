@@ -357,6 +357,7 @@ mod tests {
             certify: false,
             profiles: RunReport::judge(&scenarios, false),
             scenarios,
+            run_swept: Vec::new(),
         }
     }
 
