@@ -9,6 +9,7 @@ use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use clap::Args;
@@ -26,13 +27,17 @@ pub const EXIT_NOT_CONFORMANT: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// Exit code: the harness could not do its job (target unreachable, server would not start).
 pub const EXIT_HARNESS: u8 = 3;
+/// Exit code: interrupted with Ctrl-C; the evidence folder was written and says so.
+pub const EXIT_INTERRUPTED: u8 = 130;
 
 const EXIT_CODES_HELP: &str = "Exit codes:
   0  conformant: every MUST scenario of the profile ran and passed
   1  not conformant: a MUST scenario failed, was skipped, or none ran
   2  usage error: bad flags or a broken scenario file
   3  harness error: target unreachable, reference server would not start,
-     or a scenario the harness could not judge";
+     or a scenario the harness could not judge
+  130  interrupted (Ctrl-C): running scenarios finished and cleaned up, evidence
+     written with the scenarios that never ran";
 
 /// The built-in catalog: `scenarios/` of this crate's source tree.
 fn default_scenarios_dir() -> PathBuf {
@@ -432,14 +437,45 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .map_err(RunError::Usage)?;
     let run_id = ulid::Ulid::new().to_string().to_lowercase();
     let target = Arc::new(target);
-    let results = run_all(
+    // The first Ctrl-C lets running scenarios finish (their cleanup included) and starts no
+    // more; the receipt then says the run was interrupted and lists what never ran. A second
+    // Ctrl-C aborts at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                stop.store(true, Ordering::SeqCst);
+                eprintln!(
+                    "interrupted: finishing the running scenarios and their cleanup; Ctrl-C again aborts"
+                );
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            }
+        }
+    });
+    let outcomes = run_until_stopped(
         &target,
         &selected,
         &run_id,
         args.jobs as usize,
         args.retries,
+        &stop,
     )
     .await;
+    let interrupted = stop.load(Ordering::SeqCst);
+    let not_run: Vec<String> = selected
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, r)| r.is_none())
+        .map(|(s, _)| s.scenario.id.value.clone())
+        .collect();
+    let (selected, results): (Vec<LoadedScenario>, Vec<crate::engine::ScenarioRun>) = selected
+        .into_iter()
+        .zip(outcomes)
+        .filter_map(|(s, r)| r.map(|r| (s, r)))
+        .unzip();
     // Values captured as secrets are known only now; the sanitizer must remove them too.
     let captured_secrets: Vec<String> = results
         .iter()
@@ -451,9 +487,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .map(|(s, r)| ScenarioReport::new(s, r))
         .collect();
     // Anything still tagged with this run's ID is a cleanup failure of the run.
-    let run_swept = match crate::live::sweep_run(&target, &run_id).await {
-        Ok(found) => found,
-        Err(e) => return Err(RunError::Harness(format!("end-of-run sweep failed: {e}"))),
+    // A sweep that cannot run is a harness error, reported after the evidence is written.
+    let (run_swept, sweep_error) = match crate::live::sweep_run(&target, &run_id).await {
+        Ok(found) => (found, None),
+        Err(e) => (Vec::new(), Some(format!("end-of-run sweep failed: {e}"))),
     };
     for s in &run_swept {
         eprintln!(
@@ -467,7 +504,20 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             }
         );
     }
-    let profiles = RunReport::judge(&scenarios, args.certify);
+    let mut profiles = RunReport::judge(&scenarios, args.certify);
+    if interrupted {
+        // What never ran was not judged: an interrupted run claims no conformance.
+        for p in profiles
+            .iter_mut()
+            .filter(|p| p.verdict == Verdict::Conformant)
+        {
+            p.verdict = Verdict::Partial;
+            p.reason = Some(format!(
+                "interrupted: {} selected scenario(s) never ran",
+                not_run.len()
+            ));
+        }
+    }
     let report = RunReport {
         run_id,
         suite_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -496,7 +546,28 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     };
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
     print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
-    write_outputs(&args, &report, &sanitizer, &target.canary).map_err(RunError::Harness)?;
+    let written = write_outputs(
+        &args,
+        &report,
+        &sanitizer,
+        &target.canary,
+        interrupted,
+        not_run.clone(),
+    );
+    watcher.abort();
+    written.map_err(RunError::Harness)?;
+    if let Some(e) = sweep_error {
+        eprintln!("error: {e}");
+        return Ok(EXIT_HARNESS);
+    }
+    if interrupted {
+        eprintln!(
+            "interrupted: {} scenario(s) never ran: {}",
+            not_run.len(),
+            not_run.join(" ")
+        );
+        return Ok(EXIT_INTERRUPTED);
+    }
     let judged = report
         .profiles
         .iter()
@@ -532,6 +603,24 @@ pub async fn run_all(
     jobs: usize,
     retries: u32,
 ) -> Vec<crate::engine::ScenarioRun> {
+    let never = AtomicBool::new(false);
+    run_until_stopped(target, scenarios, run_id, jobs, retries, &never)
+        .await
+        .into_iter()
+        .map(|r| r.expect("every scenario ran"))
+        .collect()
+}
+
+/// Like [`run_all`], but once `stop` is set no further scenario starts; those already
+/// running finish, cleanup included. `None` marks a scenario that never ran.
+pub async fn run_until_stopped(
+    target: &Arc<Target>,
+    scenarios: &[LoadedScenario],
+    run_id: &str,
+    jobs: usize,
+    retries: u32,
+    stop: &AtomicBool,
+) -> Vec<Option<crate::engine::ScenarioRun>> {
     let progress = Progress::new(scenarios.len());
     let mut results: Vec<Option<crate::engine::ScenarioRun>> = vec![None; scenarios.len()];
     let semaphore = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
@@ -546,6 +635,9 @@ pub async fn run_all(
             .acquire_owned()
             .await
             .expect("semaphore is never closed");
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
         let target = target.clone();
         let scenario = s.scenario.clone();
         let run_id = run_id.to_owned();
@@ -570,15 +662,15 @@ pub async fn run_all(
         .enumerate()
         .filter(|(_, s)| s.scenario.exclusive)
     {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
         let r = run_with_retries(target, &s.scenario, run_id, retries).await;
         progress.done(s, &r);
         results[i] = Some(r);
     }
     progress.finish();
     results
-        .into_iter()
-        .map(|r| r.expect("every scenario ran"))
-        .collect()
 }
 
 /// A progress bar on a terminal, one line per scenario otherwise (CI logs).
@@ -696,6 +788,8 @@ fn write_outputs(
     report: &RunReport,
     sanitizer: &crate::evidence::Sanitizer,
     canary: &str,
+    interrupted: bool,
+    not_run: Vec<String>,
 ) -> Result<(), String> {
     use crate::evidence::{Subject, WriteOptions, default_run_dir, write_run_folder};
     let dest = args
@@ -707,8 +801,8 @@ fn write_outputs(
     let options = WriteOptions {
         canary: canary.to_owned(),
         subject,
-        interrupted: false,
-        not_run: Vec::new(),
+        interrupted,
+        not_run,
     };
     let written =
         write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;

@@ -420,12 +420,13 @@ pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "max_sandboxes_per_principal=20",
 ];
 
-/// A running reference server child process; killed when dropped.
+/// A running reference server child process; stopped when dropped.
 pub struct ReferenceServer {
     pub url: String,
     pub tokens: Tokens,
-    /// Killed on drop (`kill_on_drop`).
-    _child: tokio::process::Child,
+    /// Stopped on drop: SIGTERM first, so that the server ends its sandboxes' processes, then
+    /// SIGKILL (`kill_on_drop`) if it has not exited after a grace period.
+    child: tokio::process::Child,
     /// Holds the config file and the SQLite data; removed on drop.
     _dir: tempfile::TempDir,
 }
@@ -465,9 +466,12 @@ impl ReferenceServer {
         }
         cmd.args(REFERENCE_FAST_SETTINGS);
         cmd.args(&options.extra_args);
+        // Its own process group: a Ctrl-C at the terminal reaches the runner, which finishes
+        // the running scenarios against a server that is still there.
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .process_group(0)
             .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
         let stdout = child.stdout.take().expect("stdout is piped");
@@ -509,7 +513,7 @@ impl ReferenceServer {
         Ok(ReferenceServer {
             url,
             tokens,
-            _child: child,
+            child,
             _dir: dir,
         })
     }
@@ -544,6 +548,26 @@ pub fn random_token() -> String {
     let bytes: [u8; 32] = rand::rng().random();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     format!("sst_{hex}")
+}
+
+impl Drop for ReferenceServer {
+    fn drop(&mut self) {
+        const GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+        let Some(pid) = self.child.id() else { return };
+        let Ok(pid) = i32::try_from(pid) else { return };
+        // SAFETY: kill(2) on our own child's pid, which has not been reaped (we still hold it).
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            return;
+        }
+        let deadline = std::time::Instant::now() + GRACE;
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // Still running: `kill_on_drop` sends SIGKILL when the child handle drops.
+    }
 }
 
 #[cfg(test)]
