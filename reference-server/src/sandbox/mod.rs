@@ -11,7 +11,7 @@ mod local;
 mod process;
 
 pub use files::{FileEntry, FileError, SandboxFiles, WriteOutcome};
-pub use local::{LocalProvider, Isolation};
+pub use local::{Isolation, LocalProvider};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -74,9 +74,15 @@ impl Providers {
     pub fn new(config: &Config, log: EventLog) -> std::io::Result<Self> {
         let mut providers = BTreeMap::new();
         for p in &config.providers {
-            providers.insert(p.name.clone(), Arc::new(LocalProvider::new(p, config, log.clone())?));
+            providers.insert(
+                p.name.clone(),
+                Arc::new(LocalProvider::new(p, config, log.clone())?),
+            );
         }
-        Ok(Self { providers, default: config.default_provider().to_owned() })
+        Ok(Self {
+            providers,
+            default: config.default_provider().to_owned(),
+        })
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<LocalProvider>> {

@@ -25,7 +25,10 @@ pub struct EventLog {
 
 impl EventLog {
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self { store, wakers: Arc::default() }
+        Self {
+            store,
+            wakers: Arc::default(),
+        }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -61,7 +64,10 @@ impl EventLog {
     /// A receiver that changes whenever something is appended to `stream`.
     pub fn follow(&self, stream: &str) -> watch::Receiver<i64> {
         let mut wakers = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
-        wakers.entry(stream.to_owned()).or_insert_with(|| watch::channel(0).0).subscribe()
+        wakers
+            .entry(stream.to_owned())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
     }
 }
 
