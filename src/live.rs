@@ -190,7 +190,7 @@ pub async fn sweep_older_than(
         let created = sbx.get("created_at").and_then(Value::as_str).and_then(|t| {
             OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
         });
-        if !created.is_some_and(|c| c < cutoff) {
+        if created.is_none_or(|c| c >= cutoff) {
             continue;
         }
         let Some(id) = sbx.get("id").and_then(Value::as_str) else {
