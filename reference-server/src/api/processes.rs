@@ -28,6 +28,11 @@ use super::pagination::PageRequest;
 use super::sandboxes::{env_of, sandbox_of};
 use super::state::AppState;
 
+/// How long an output read waits for the `exit` event of a process already recorded as
+/// ended (the runtime appends it right after): tries × step.
+const EXIT_EVENT_WAIT_TRIES: u32 = 100;
+const EXIT_EVENT_WAIT_STEP: std::time::Duration = std::time::Duration::from_millis(20);
+
 const MAX_TAG_CHARS: usize = 256;
 
 #[derive(Debug, Deserialize)]
@@ -328,9 +333,22 @@ pub async fn output(
             .unwrap_or(false),
     };
     let mut cursor = after;
+    // The runtime records the end of a process just before it appends the `exit` event. A
+    // reader that already saw the process ended waits that moment out, so that `complete`
+    // never lags behind the state GET reports.
+    let mut exit_wait = if process.state == ProcessState::Running {
+        0
+    } else {
+        EXIT_EVENT_WAIT_TRIES
+    };
     'read: loop {
         let events = state.store.events_after(&stream, cursor, 1000).await?;
         if events.is_empty() {
+            if exit_wait > 0 && cursor < readable_through && !exit_logged(&state, &stream).await? {
+                exit_wait -= 1;
+                tokio::time::sleep(EXIT_EVENT_WAIT_STEP).await;
+                continue;
+            }
             break;
         }
         for event in &events {
@@ -374,6 +392,19 @@ pub async fn output(
         }
     }
     Ok(axum::Json(out).into_response())
+}
+
+/// Whether the last event of a process's log is its `exit`.
+async fn exit_logged(state: &AppState, stream: &str) -> Result<bool, ApiError> {
+    let bounds = state.store.stream_bounds(stream).await?;
+    if bounds.last_seq == 0 {
+        return Ok(false);
+    }
+    let last = state
+        .store
+        .events_after(stream, bounds.last_seq - 1, 1)
+        .await?;
+    Ok(last.first().is_some_and(|e| e.kind == "exit"))
 }
 
 pub async fn events(
