@@ -1,4 +1,5 @@
-//! The `sandspec` command: the runner (`run`, `list`, `sweep`, `evidence verify`) and `sandspec serve`
+//! The `sandspec` command: the runner (`run`, `list`, `sweep`, `evidence verify`), the
+//! sessions worker (`worker`, internal) and `sandspec serve`
 //! (the reference server). `main` only parses arguments and calls library functions.
 
 use std::path::PathBuf;
@@ -30,6 +31,10 @@ enum Command {
     /// Work with evidence folders.
     #[command(subcommand)]
     Evidence(EvidenceCommand),
+    /// The agent worker the reference server starts inside a session's sandbox (internal:
+    /// configured through its environment and stdin by the server).
+    #[command(hide = true)]
+    Worker,
 }
 
 #[derive(Debug, Subcommand)]
@@ -49,8 +54,28 @@ fn main() -> ExitCode {
         Command::List(args) => sandspec::cli::list(&args),
         Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
         Command::Serve(args) => reference_server::cli::main(args),
+        Command::Worker => worker(),
         Command::Evidence(EvidenceCommand::Verify { dir }) => {
             ExitCode::from(u8::try_from(sandspec::evidence::verify_cli(&dir)).unwrap_or(1))
+        }
+    }
+}
+
+/// `sandspec worker`: the same runtime as the `sandspec-worker` binary, so a server started
+/// from this binary always finds a worker.
+fn worker() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(reference_server::gateway::worker::run_from_env()),
+        Err(e) => {
+            eprintln!("sandspec worker: cannot start the async runtime: {e}");
+            ExitCode::from(1)
         }
     }
 }

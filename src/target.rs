@@ -418,6 +418,8 @@ pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "max_stream_duration_s=6",
     "--limit",
     "max_sandboxes_per_principal=20",
+    "--retention",
+    "result_s=3",
 ];
 
 /// A running reference server child process; stopped when dropped.

@@ -75,6 +75,10 @@ pub enum Defect {
     OwnedSandboxLeftOnDelete,
     /// Cancel of a running submission answers 202 but the turn keeps running.
     CancelRunningIgnored,
+    /// Artifact content is read from the sandbox's file now, not the copy made at the turn's end.
+    ArtifactTracksFile,
+    /// Cancel of a running tool call answers 200 but the tool keeps running.
+    OperationCancelIgnored,
 }
 
 impl Defect {
@@ -111,6 +115,8 @@ impl Defect {
         Defect::BridgeSignatureUnchecked,
         Defect::OwnedSandboxLeftOnDelete,
         Defect::CancelRunningIgnored,
+        Defect::ArtifactTracksFile,
+        Defect::OperationCancelIgnored,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -147,6 +153,8 @@ impl Defect {
             Defect::BridgeSignatureUnchecked => "bridge-signature-unchecked",
             Defect::OwnedSandboxLeftOnDelete => "owned-sandbox-left-on-delete",
             Defect::CancelRunningIgnored => "cancel-running-ignored",
+            Defect::ArtifactTracksFile => "artifact-tracks-file",
+            Defect::OperationCancelIgnored => "operation-cancel-ignored",
         }
     }
 
@@ -190,6 +198,8 @@ impl Defect {
             Defect::BridgeSignatureUnchecked => "bridge signatures are not checked",
             Defect::OwnedSandboxLeftOnDelete => "a session delete leaves its own sandbox running",
             Defect::CancelRunningIgnored => "a running turn's cancel is answered but not done",
+            Defect::ArtifactTracksFile => "artifact content follows later changes to its file",
+            Defect::OperationCancelIgnored => "a tool call's cancel is answered but not done",
         }
     }
 }

@@ -1,0 +1,34 @@
+//! The Agents Sessions gateway (§8): sessions with owned or borrowed sandboxes, per-session
+//! submission queues, operations, the durable session event log, and the workers that run
+//! each session's turns inside its sandbox, talking back over the signed private bridge.
+//!
+//! # Layout
+//!
+//! - `artifacts`: the files a turn leaves below `artifacts/`, copied when it ends.
+//! - [`config`]: worker binary, model endpoint, lease and cancellation timings.
+//! - `model`: the stored and wire shapes of sessions, submissions and operations.
+//! - `core`: the engine: per-session serialization, transitions with their events, worker
+//!   supervision, lease expiry, uncertain outcomes and delete cleanup.
+//! - `sessions`, `submissions`, `events`: the `/v1` handlers.
+//! - `bridge`: the private bridge and the session test controls.
+//! - [`signing`]: the bridge signature, shared with the worker.
+//! - [`worker`]: the worker runtime that `sandspec-worker` runs inside a sandbox.
+//!
+//! Architecture invariant: the gateway changes a session's state only while holding that
+//! session's lock, and appends the event reporting a change before releasing it.
+
+mod artifacts;
+mod bridge;
+pub mod config;
+mod core;
+mod events;
+mod http;
+mod model;
+mod routes;
+mod sessions;
+pub mod signing;
+mod submissions;
+pub mod worker;
+
+pub use config::GatewayConfig;
+pub use routes::routes;
