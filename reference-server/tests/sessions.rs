@@ -97,6 +97,13 @@ fn root(app: &TestApp, sandbox: &str) -> std::path::PathBuf {
     app.sandbox_dir(sandbox).join("root")
 }
 
+/// Waits until the `slow-shell` tool call has written its marker: an operation is `running`
+/// from its write-ahead record on, a moment before the command itself has done anything.
+async fn wait_marker(app: &TestApp, sandbox: &str) {
+    let marker = root(app, sandbox).join("marker.txt");
+    poll(|| async { (std::fs::read_to_string(&marker).ok()? == "started\n").then_some(()) }).await;
+}
+
 #[tokio::test]
 async fn a_turn_runs_a_tool_call_in_the_sandbox_and_keeps_its_result() {
     let app = app().await;
@@ -591,6 +598,7 @@ async fn cancellation_of_queued_running_and_finished_turns() {
         queued["id"].as_str().unwrap(),
     );
     wait_operation(&app, sid, "shell", "running").await;
+    wait_marker(&app, sandbox).await;
 
     let r = app
         .post(
@@ -737,6 +745,7 @@ async fn a_killed_worker_makes_the_turn_uncertain_and_it_is_never_replayed() {
         waiting["id"].as_str().unwrap(),
     );
     let tool = wait_operation(&app, sid, "shell", "running").await;
+    wait_marker(&app, sandbox).await;
     app.post(
         ADMIN,
         &format!("/v1/test/sessions/{sid}/kill_worker"),
@@ -1127,6 +1136,7 @@ mod defects {
         let sandbox = session["sandbox_id"].as_str().unwrap();
         let sub = submit(&app, ALICE, sid, "a", "long").await;
         wait_operation(&app, sid, "shell", "running").await;
+        wait_marker(&app, sandbox).await;
         app.post(
             ADMIN,
             &format!("/v1/test/sessions/{sid}/kill_worker"),
