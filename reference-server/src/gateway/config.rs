@@ -17,7 +17,8 @@ pub struct GatewayConfig {
     /// When set, workers send this model name instead of each session's `agent.model`
     /// (a live run against a real provider, whose models the fixture names do not match).
     pub model_override: Option<String>,
-    /// Scripts of the fixture model server (`<model>.json` or `<model>.toml`).
+    /// Scripts of the fixture model server (`<model>.json` or `<model>.toml`); by default the
+    /// workspace's `fixtures/models`, so the server finds them from any working directory.
     pub fixtures_dir: PathBuf,
     /// A lease not renewed for this long expires.
     pub lease_ttl: Duration,
@@ -40,7 +41,7 @@ impl Default for GatewayConfig {
             model_base_url: None,
             model_api_key: None,
             model_override: None,
-            fixtures_dir: PathBuf::from("fixtures/models"),
+            fixtures_dir: default_fixtures_dir(),
             lease_ttl: Duration::from_secs(10),
             heartbeat_interval: Duration::from_millis(1000),
             cancel_grace: Duration::from_secs(3),
@@ -49,6 +50,14 @@ impl Default for GatewayConfig {
             max_tool_output_bytes: 64 * 1024,
         }
     }
+}
+
+/// The workspace's `fixtures/models`, wherever the server is started from.
+fn default_fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("fixtures"), |root| root.join("fixtures"))
+        .join("models")
 }
 
 impl GatewayConfig {
