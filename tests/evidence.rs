@@ -955,7 +955,8 @@ fn the_schema_enforces_the_honesty_rules() {
 /// identifiers that a receipt exists to carry, so exactly those formats are excluded: SHA-256
 /// digests and git commits (64 and 40 lowercase hex), and the API's ULID-based IDs (a short
 /// lowercase kind such as `req_`, `sbx_` or `sub_`, then 26 characters), alone or as a segment of a URL path whose other segments
-/// are short lowercase words (`/v1/sandboxes/sbx_…/files`). Nothing else is. `.ci/run` can run
+/// are short lowercase words (`/v1/sandboxes/sbx_…/files`), and run IDs behind a short label
+/// (`once-<run id>`, the idempotency keys scenarios build). Nothing else is. `.ci/run` can run
 /// the same scan on a real run folder with these arguments.
 const DETECT_SECRETS_ARGS: &[&str] = &[
     "scan",
@@ -965,6 +966,10 @@ const DETECT_SECRETS_ARGS: &[&str] = &[
     "--exclude-secrets",
     // A trailing backslash: the closing quote, escaped, inside a JSON body kept as text.
     r"^/?([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26})(/([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26}))*/?\\?$",
+    "--exclude-secrets",
+    // Run IDs (a lowercase ULID), alone or behind a short label, as scenarios build their
+    // idempotency keys and tags: `once-<run id>`.
+    "^([a-z]{1,12}-)?[0-9a-z]{26}$",
 ];
 
 /// Runs detect-secrets (PyPI, an independent scanner) over `dir` and returns its findings
