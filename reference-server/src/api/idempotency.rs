@@ -16,7 +16,7 @@ use time::Duration;
 
 use crate::defects::Defect;
 use crate::domain::now;
-use crate::store::IdemClaim;
+use crate::store::{IdemClaim, Kind, Record, Scope};
 
 use super::error::ApiError;
 use super::state::AppState;
@@ -35,6 +35,32 @@ pub struct IdemRequest<'a> {
     pub path: &'a str,
     pub key: Option<String>,
     pub body: &'a [u8],
+}
+
+/// An idempotent `POST` to `path` that creates one record of `kind`: [`run`], with a replay
+/// that answers the record's current state as the caller sees it, rendered by `view`.
+pub async fn run_create<C, CF, V>(
+    state: &AppState,
+    req: IdemRequest<'_>,
+    kind: Kind,
+    view: V,
+    create: C,
+) -> Result<Response, ApiError>
+where
+    C: FnOnce() -> CF,
+    CF: Future<Output = Result<Created, ApiError>> + Send + 'static,
+    V: Fn(&Record) -> Result<Value, ApiError>,
+{
+    let replay_state = state.clone();
+    let principal = req.principal.to_owned();
+    let replay = move |id: String| async move {
+        let rec = replay_state
+            .store
+            .get(kind, Scope::Owner(&principal), &id)
+            .await?;
+        rec.as_ref().map(view).transpose()
+    };
+    run(state, req, create, replay).await
 }
 
 /// Runs `create` at most once per key. `replay` renders the resource's current state for a

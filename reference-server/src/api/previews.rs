@@ -112,15 +112,6 @@ pub async fn create(
             body: view(&task_base, &rec)?,
         })
     };
-    let replay_state = state.clone();
-    let replay_principal = caller.principal.clone();
-    let replay = move |id: String| async move {
-        let rec = replay_state
-            .store
-            .get(Kind::Preview, Scope::Owner(&replay_principal), &id)
-            .await?;
-        rec.as_ref().map(|r| view(&base, r)).transpose()
-    };
     let idem = IdemRequest {
         principal: &caller.principal,
         method: "POST",
@@ -128,7 +119,7 @@ pub async fn create(
         key,
         body: &body.raw,
     };
-    idempotency::run(&state, idem, create, replay).await
+    idempotency::run_create(&state, idem, Kind::Preview, move |r| view(&base, r), create).await
 }
 
 /// `/previews/{id}` and everything below it.

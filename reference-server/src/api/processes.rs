@@ -219,15 +219,6 @@ pub async fn start(
             body: view(&rec)?,
         })
     };
-    let replay_state = state.clone();
-    let replay_principal = caller.principal.clone();
-    let replay = move |id: String| async move {
-        let rec = replay_state
-            .store
-            .get(Kind::Process, Scope::Owner(&replay_principal), &id)
-            .await?;
-        rec.as_ref().map(view).transpose()
-    };
     let idem = IdemRequest {
         principal: &caller.principal,
         method: "POST",
@@ -235,7 +226,7 @@ pub async fn start(
         key,
         body: &body.raw,
     };
-    idempotency::run(&state, idem, create, replay).await
+    idempotency::run_create(&state, idem, Kind::Process, view, create).await
 }
 
 pub async fn list(

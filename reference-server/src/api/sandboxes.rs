@@ -357,15 +357,6 @@ pub async fn create(
             body: view(&rec)?,
         })
     };
-    let replay_state = state.clone();
-    let replay_principal = caller.principal.clone();
-    let replay = move |id: String| async move {
-        let rec = replay_state
-            .store
-            .get(Kind::Sandbox, Scope::Owner(&replay_principal), &id)
-            .await?;
-        rec.as_ref().map(view).transpose()
-    };
     let idem = IdemRequest {
         principal: &caller.principal,
         method: "POST",
@@ -373,7 +364,7 @@ pub async fn create(
         key,
         body: &body.raw,
     };
-    idempotency::run(&state, idem, create, replay).await
+    idempotency::run_create(&state, idem, Kind::Sandbox, view, create).await
 }
 
 pub async fn list(
@@ -679,15 +670,6 @@ pub async fn connect(
             body: connection_view(&rec)?,
         })
     };
-    let replay_state = state.clone();
-    let replay_principal = caller.principal.clone();
-    let replay = move |id: String| async move {
-        let rec = replay_state
-            .store
-            .get(Kind::Connection, Scope::Owner(&replay_principal), &id)
-            .await?;
-        rec.as_ref().map(connection_view).transpose()
-    };
     let idem = IdemRequest {
         principal: &caller.principal,
         method: "POST",
@@ -695,7 +677,7 @@ pub async fn connect(
         key,
         body: &body.raw,
     };
-    idempotency::run(&state, idem, create, replay).await
+    idempotency::run_create(&state, idem, Kind::Connection, connection_view, create).await
 }
 
 pub async fn list_connections(

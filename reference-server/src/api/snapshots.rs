@@ -81,15 +81,6 @@ pub async fn create(
             body: view(&rec)?,
         })
     };
-    let replay_state = state.clone();
-    let replay_principal = caller.principal.clone();
-    let replay = move |id: String| async move {
-        let rec = replay_state
-            .store
-            .get(Kind::Snapshot, Scope::Owner(&replay_principal), &id)
-            .await?;
-        rec.as_ref().map(view).transpose()
-    };
     let idem = IdemRequest {
         principal: &caller.principal,
         method: "POST",
@@ -97,7 +88,7 @@ pub async fn create(
         key,
         body: &body.raw,
     };
-    idempotency::run(&state, idem, create, replay).await
+    idempotency::run_create(&state, idem, Kind::Snapshot, view, create).await
 }
 
 pub async fn get(
