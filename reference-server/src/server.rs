@@ -63,6 +63,10 @@ impl Server {
         let store = store::open(&config.database)
             .await
             .context("failed to open the store")?;
+        let page_key = store
+            .shared_key("page_token", rand::random())
+            .await
+            .context("failed to read the page-token key")?;
         let log = EventLog::new(Arc::clone(&store));
         let providers =
             Providers::new(&config, log.clone()).context("failed to set up the providers")?;
@@ -73,6 +77,7 @@ impl Server {
             providers,
             local_addr,
             CancellationToken::new(),
+            page_key,
         );
         Ok(Server {
             listener,

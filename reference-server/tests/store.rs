@@ -156,3 +156,127 @@ async fn two_postgres_stores_share_streams_and_records() {
     assert_eq!(seqs, (1..=60).collect::<Vec<i64>>());
     assert_eq!(a.digest().await.unwrap(), b.digest().await.unwrap());
 }
+
+async fn two_postgres_stores() -> Option<(PostgresStore, PostgresStore)> {
+    let cluster = PgCluster::shared_or_skip()?;
+    let url = cluster.fresh_database().await;
+    let a = PostgresStore::connect(&url).await.expect("first store");
+    let b = PostgresStore::connect(&url).await.expect("second store");
+    Some((a, b))
+}
+
+/// The session lock excludes a holder in another process until the first guard is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lock_excludes_other_processes() {
+    let Some((a, b)) = two_postgres_stores().await else {
+        return;
+    };
+    let held = a.lock("session:x").await.expect("first lock");
+    let waiting = tokio::time::timeout(std::time::Duration::from_millis(300), b.lock("session:x"));
+    assert!(
+        waiting.await.is_err(),
+        "the second process took a lock the first holds"
+    );
+    // Another key is independent.
+    let other = tokio::time::timeout(std::time::Duration::from_secs(5), b.lock("session:y"))
+        .await
+        .expect("an unrelated key is free")
+        .unwrap();
+    drop(other);
+    drop(held);
+    tokio::time::timeout(std::time::Duration::from_secs(10), b.lock("session:x"))
+        .await
+        .expect("the lock is free once the holder drops it")
+        .unwrap();
+}
+
+/// Each store holds its instance lock while it lives; another sees it go with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_instance_liveness_follows_the_store() {
+    let Some((a, b)) = two_postgres_stores().await else {
+        return;
+    };
+    let id = a.instance().to_owned();
+    assert_ne!(id, b.instance());
+    assert!(b.instance_alive(&id).await.unwrap());
+    assert!(b.instance_alive(b.instance()).await.unwrap());
+    assert!(
+        !b.instance_alive("7fffffff").await.unwrap(),
+        "no such instance"
+    );
+    assert!(!b.instance_alive("not-hex").await.unwrap());
+    drop(a);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if !b.instance_alive(&id).await.unwrap() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a dropped store still looks alive"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Appends by one process reach the other's feed; a process does not hear its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_appends_notify_the_other_process() {
+    let Some((a, b)) = two_postgres_stores().await else {
+        return;
+    };
+    let mut feed = b.foreign_appends().expect("PostgreSQL has a feed");
+    // LISTEN starts in the background; append until the first notification arrives.
+    let mut first = None;
+    for _ in 0..100 {
+        b.append_event("own", "k", &serde_json::Value::Null)
+            .await
+            .unwrap();
+        let e = a
+            .append_event("s", "k", &serde_json::Value::Null)
+            .await
+            .unwrap();
+        if let Ok(Ok(got)) =
+            tokio::time::timeout(std::time::Duration::from_millis(100), feed.recv()).await
+        {
+            first = Some((got, e.seq));
+            break;
+        }
+    }
+    let ((stream, seq), appended) = first.expect("no notification within 10 s");
+    assert_eq!(stream, "s", "only the other process's appends are heard");
+    assert!(seq <= appended && seq >= 1);
+    let e = a
+        .append_event("s", "k", &serde_json::Value::Null)
+        .await
+        .unwrap();
+    let mut last = 0;
+    while last < e.seq {
+        let (stream, seq) = tokio::time::timeout(std::time::Duration::from_secs(5), feed.recv())
+            .await
+            .expect("a notification per append")
+            .unwrap();
+        assert_eq!(stream, "s");
+        last = seq;
+    }
+}
+
+/// The first process to ask creates a shared key; every other gets the same one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_keys_are_shared() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    let a = SqliteStore::open(Some(&path)).await.unwrap();
+    let b = SqliteStore::open(Some(&path)).await.unwrap();
+    let mut pairs: Vec<(Box<dyn Store>, Box<dyn Store>)> = vec![(Box::new(a), Box::new(b))];
+    if let Some((a, b)) = two_postgres_stores().await {
+        pairs.push((Box::new(a), Box::new(b)));
+    }
+    for (a, b) in pairs {
+        let digest = a.digest().await.unwrap();
+        assert_eq!(a.shared_key("k", [1; 32]).await.unwrap(), [1; 32]);
+        assert_eq!(b.shared_key("k", [2; 32]).await.unwrap(), [1; 32]);
+        assert_eq!(b.shared_key("other", [3; 32]).await.unwrap(), [3; 32]);
+        assert_eq!(a.digest().await.unwrap(), digest, "keys are not state");
+    }
+}

@@ -34,8 +34,8 @@ pub struct Inner {
     /// Appends to durable logs and wakes the SSE streams that follow them.
     pub log: EventLog,
     pub providers: Providers,
-    /// Signs page tokens. Random per process: several server processes sharing one database
-    /// would need one shared key for a token from one to be accepted by another.
+    /// Signs page tokens. Kept in the database, so that every server process sharing it
+    /// accepts the tokens of the others.
     pub page_key: [u8; 32],
     /// Open SSE streams per principal, for `limits.max_streams_per_principal`.
     pub streams: Arc<StreamSlots>,
@@ -61,6 +61,7 @@ impl AppState {
         providers: Providers,
         local_addr: SocketAddr,
         shutdown: CancellationToken,
+        page_key: [u8; 32],
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -70,7 +71,7 @@ impl AppState {
             store,
             log,
             providers,
-            page_key: rand::random(),
+            page_key,
             streams: Arc::default(),
             create_lock: tokio::sync::Mutex::new(()),
             local_addr,

@@ -123,7 +123,7 @@ pub async fn take_lease(
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: TakeLease = parse(&authed)?;
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, mut loaded) = locked(&gw, &sid).await?;
     if loaded.doc.state == "deleting" {
         return Err(GwError::session_not_active());
@@ -172,7 +172,7 @@ pub async fn heartbeat(
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: Generation = parse(&authed)?;
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     rt.live().lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
@@ -207,7 +207,7 @@ pub async fn next(
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: Generation = parse(&authed)?;
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     if loaded.doc.state != "active" {
@@ -301,7 +301,7 @@ pub async fn start_operation(
         ));
     }
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     running_submission(&gw, &sid, &req.submission_id).await?;
@@ -373,7 +373,7 @@ pub async fn complete_operation(
         ));
     }
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     let mut rec = gw
@@ -433,7 +433,7 @@ pub async fn output(
         ));
     }
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     running_submission(&gw, &sid, &req.submission_id).await?;
@@ -480,7 +480,7 @@ pub async fn complete_submission(
         ));
     }
     let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let (_, loaded) = locked(&gw, &sid).await?;
     fence(&gw, &loaded, req.lease_generation)?;
     let (mut rec, mut sub) = running_submission(&gw, &sid, &sub_id).await?;

@@ -18,7 +18,7 @@ use crate::domain::{
     IdKind, Process, ProcessSpec, ProcessState, QualifiedId, Sandbox, SandboxState, now,
 };
 use crate::sandbox::{LocalProvider, Signal};
-use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError};
+use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError, StoreLock};
 
 use super::config::GatewayConfig;
 use super::http::{GwError, GwResult};
@@ -60,6 +60,23 @@ pub struct Live {
     pub artifact_baseline: Option<(String, super::artifacts::Manifest)>,
 }
 
+/// A session's lock, held in this process and across every server process on the database.
+pub struct SessionGuard<'a> {
+    _local: tokio::sync::MutexGuard<'a, ()>,
+    _shared: StoreLock,
+}
+
+/// What this process last learned about another server process.
+struct Peer {
+    alive: bool,
+    checked: Instant,
+    /// When it was first seen dead (since then not seen alive).
+    dead_since: Option<Instant>,
+}
+
+/// How long a peer's liveness answer is reused.
+const PEER_CHECK_EVERY: Duration = Duration::from_secs(1);
+
 /// One session's serialization point and in-memory state.
 #[derive(Default)]
 pub struct SessionRt {
@@ -94,6 +111,8 @@ pub struct Gateway {
     model_url: tokio::sync::OnceCell<String>,
     /// Keeps the fixture model server running for the gateway's lifetime.
     fixture: Mutex<Option<crate::model_fixture::FixtureServer>>,
+    /// Other server processes sharing the database, by instance ID.
+    peers: Mutex<HashMap<String, Peer>>,
 }
 
 /// A session record with its decoded body.
@@ -119,7 +138,61 @@ impl Gateway {
             runtimes: Mutex::default(),
             model_url: tokio::sync::OnceCell::new(),
             fixture: Mutex::default(),
+            peers: Mutex::default(),
         }
+    }
+
+    /// Takes the session's lock: first in this process, then across processes, so that a
+    /// process waits on the database for at most one holder per session.
+    pub async fn lock<'a>(&self, rt: &'a SessionRt, sid: &str) -> GwResult<SessionGuard<'a>> {
+        let local = rt.lock.lock().await;
+        let shared = self.state.store.lock(&format!("session:{sid}")).await?;
+        Ok(SessionGuard {
+            _local: local,
+            _shared: shared,
+        })
+    }
+
+    /// This server process's instance ID.
+    pub fn instance(&self) -> &str {
+        self.state.store.instance()
+    }
+
+    /// Whether this process supervises the session: it is the session's home, or the home has
+    /// been dead for the store's takeover grace (or the session has none).
+    async fn is_home(&self, doc: &SessionDoc) -> GwResult<bool> {
+        let Some(home) = doc.home.as_deref() else {
+            return Ok(true);
+        };
+        if home == self.instance() {
+            return Ok(true);
+        }
+        let cached = lock(&self.peers)
+            .get(home)
+            .filter(|p| p.checked.elapsed() < PEER_CHECK_EVERY)
+            .map(|p| (p.alive, p.dead_since));
+        let (alive, dead_since) = match cached {
+            Some(found) => found,
+            None => {
+                let alive = self.state.store.instance_alive(home).await?;
+                let now = Instant::now();
+                let mut peers = lock(&self.peers);
+                let peer = peers.entry(home.to_owned()).or_insert(Peer {
+                    alive,
+                    checked: now,
+                    dead_since: None,
+                });
+                peer.alive = alive;
+                peer.checked = now;
+                peer.dead_since = if alive {
+                    None
+                } else {
+                    Some(peer.dead_since.unwrap_or(now))
+                };
+                (peer.alive, peer.dead_since)
+            }
+        };
+        Ok(!alive && dead_since.is_some_and(|t| t.elapsed() >= self.state.store.takeover_grace()))
     }
 
     pub fn rt(&self, sid: &str) -> Arc<SessionRt> {
@@ -693,14 +766,33 @@ impl Gateway {
     // ----- supervision -----
 
     /// Runs until shutdown: looks at every session each `supervise_interval`.
+    /// A change made by another server process (a submit, a cancel, a delete appends to the
+    /// session's log) also wakes the supervisor at once for that session.
     pub async fn supervise_forever(self: Arc<Self>) {
         let shutdown = self.state.shutdown.clone();
         let mut last_purge = Instant::now();
+        let mut foreign = self.state.store.foreign_appends();
+        let mut next_scan = Instant::now() + self.cfg.supervise_interval;
         loop {
+            let appended = async {
+                match foreign.as_mut() {
+                    Some(rx) => rx.recv().await.ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(self.cfg.supervise_interval) => {}
+                () = tokio::time::sleep_until(next_scan) => {}
+                Some((stream, _)) = appended => {
+                    if let Some(sid) = stream.strip_prefix("session:")
+                        && let Err(e) = self.supervise(sid).await
+                    {
+                        tracing::warn!(session = %sid, error = %e, "supervisor pass failed");
+                    }
+                    continue;
+                }
             }
+            next_scan = Instant::now() + self.cfg.supervise_interval;
             let sessions = match self
                 .state
                 .store
@@ -796,14 +888,37 @@ impl Gateway {
         Ok(())
     }
 
-    /// One supervision pass over one session.
+    /// One supervision pass over one session. Only the session's home process supervises it
+    /// (it started the session's worker, whose bridge requests come to it); another process
+    /// takes over once the home has been dead for the takeover grace.
     pub async fn supervise(&self, sid: &str) -> GwResult<()> {
         let rt = self.rt(sid);
-        let _guard = rt.lock.lock().await;
+        let Some(seen) = self.session(Scope::System, sid).await? else {
+            self.forget(sid);
+            return Ok(());
+        };
+        if !self.is_home(&seen.doc).await? {
+            // Another process took the session over: a worker this process still runs for it
+            // is fenced already, and must not run on.
+            if let Some(pid) = rt.take_worker() {
+                tracing::warn!(session = %sid, "session taken over by another process; ending its worker here");
+                self.kill_worker(&pid).await?;
+            }
+            return Ok(());
+        }
+        let _guard = self.lock(&rt, sid).await?;
         let Some(mut loaded) = self.session(Scope::System, sid).await? else {
             self.forget(sid);
             return Ok(());
         };
+        if loaded.doc.home.as_deref() != Some(self.instance()) {
+            if !self.is_home(&loaded.doc).await? {
+                return Ok(());
+            }
+            tracing::info!(session = %sid, from = ?loaded.doc.home, "taking the session over");
+            loaded.doc.home = Some(self.instance().to_owned());
+            self.save_session(&mut loaded).await?;
+        }
         // A worker that ended: its running submission's outcome is unknown.
         let worker = rt.worker();
         if let Some(pid) = &worker
@@ -841,6 +956,13 @@ impl Gateway {
             if let Some(pid) = worker {
                 self.kill_worker(&pid).await?;
             }
+        }
+        // A cancel accepted by another server process: the grace starts when this one sees it.
+        if rt.live().cancel_deadline.is_none()
+            && let Some((_, sub)) = self.active_submission(sid).await?
+            && sub.state == "cancelling"
+        {
+            rt.live().cancel_deadline = Some(Instant::now() + self.cfg.cancel_grace);
         }
         // A cancel the worker did not honour in time.
         let overdue = rt
@@ -1083,7 +1205,7 @@ impl Gateway {
     ) -> GwResult<()> {
         let (provider, local) = self.provider(&sandbox.id)?;
         let created = provider.create(&local, &requested, from_snapshot).await;
-        let _guard = rt.lock.lock().await;
+        let _guard = self.lock(&rt, sid).await?;
         rt.live().creating = false;
         let session = self.session(Scope::System, sid).await?;
         let gone = session.as_ref().is_none_or(|s| s.doc.state == "deleting");

@@ -65,6 +65,10 @@ pub struct SessionDoc {
     /// The connection an attach holds on a borrowed sandbox.
     pub connection_id: Option<String>,
     pub cleanup: Option<Cleanup>,
+    /// The server process (store instance) that supervises the session: it starts the
+    /// session's workers and serves their bridge. Another process takes over when it dies.
+    #[serde(default)]
+    pub home: Option<String>,
 }
 
 impl SessionDoc {

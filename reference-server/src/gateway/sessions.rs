@@ -223,6 +223,7 @@ pub async fn create(
             lease_revoked: false,
             connection_id: None,
             cleanup: None,
+            home: Some(state.store.instance().to_owned()),
         };
         state
             .store
@@ -305,6 +306,7 @@ pub async fn create(
         lease_revoked: false,
         connection_id: None,
         cleanup: None,
+        home: Some(gw.instance().to_owned()),
     };
     let principal = caller.principal.clone();
     let task_gw = Arc::clone(&gw);
@@ -472,7 +474,7 @@ async fn create_session(
     }
     let sid = doc.id.clone();
     let rt = gw.rt(&sid);
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let rec = Record {
         kind: Kind::Session,
         id: sid.clone(),
@@ -575,7 +577,7 @@ pub async fn delete(
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
     let view = {
-        let _guard = rt.lock.lock().await;
+        let _guard = gw.lock(&rt, &sid).await?;
         let mut loaded = gw
             .session(Scope::System, &loaded.doc.id)
             .await?
@@ -620,7 +622,7 @@ pub async fn resume(
 ) -> GwResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let mut loaded = gw
         .session(Scope::System, &sid)
         .await?

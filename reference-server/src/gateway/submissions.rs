@@ -90,7 +90,7 @@ pub async fn submit(
 async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Created> {
     let rt = gw.rt(&sid);
     let created = {
-        let _guard = rt.lock.lock().await;
+        let _guard = gw.lock(&rt, &sid).await?;
         let loaded = gw
             .session(Scope::System, &sid)
             .await?
@@ -160,7 +160,7 @@ async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Creat
 }
 
 /// The caller's submission, or 404.
-async fn owned_submission(
+pub(super) async fn owned_submission(
     gw: &Gateway,
     principal: &str,
     id: &str,
@@ -249,7 +249,7 @@ pub async fn cancel(
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     let sid = doc.session_id.clone();
     let rt = gw.rt(&sid);
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &sid).await?;
     let rec = gw
         .state
         .store
@@ -502,7 +502,7 @@ pub async fn cancel_operation(
 ) -> GwResult<Response> {
     let (_, doc) = owned_operation(&gw, &caller.principal, &id).await?;
     let rt = gw.rt(&doc.session_id);
-    let _guard = rt.lock.lock().await;
+    let _guard = gw.lock(&rt, &doc.session_id).await?;
     let mut rec = gw
         .state
         .store

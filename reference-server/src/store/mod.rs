@@ -16,6 +16,7 @@ mod sqlite;
 pub mod suite;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::Value;
@@ -195,6 +196,29 @@ impl From<sqlx::Error> for StoreError {
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
+/// An append made by another server process sharing the database: `(stream, seq)`.
+pub type ForeignAppend = (String, i64);
+
+/// A lock that excludes every other holder of the same key in every server process sharing
+/// the database, held until dropped. For PostgreSQL it is a transaction holding an advisory
+/// lock (a dropped guard rolls back, which releases it; so does a lost connection); the SQLite
+/// store serves one server process and its lock is empty (callers serialize in memory too).
+pub struct StoreLock {
+    _held: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl StoreLock {
+    pub fn none() -> Self {
+        Self { _held: None }
+    }
+
+    fn held(inner: impl std::any::Any + Send) -> Self {
+        Self {
+            _held: Some(Box::new(inner)),
+        }
+    }
+}
+
 /// Durable state. Implemented for SQLite and PostgreSQL; both pass [`suite`].
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -266,6 +290,46 @@ pub trait Store: Send + Sync + 'static {
     /// SHA-256 (hex) over every durable row in a canonical order: records, events, stream
     /// bounds and idempotency keys. Equal digests mean equal durable state.
     async fn digest(&self) -> Result<String>;
+
+    // ----- several server processes on one database -----
+
+    /// This server process's identity among the processes sharing the database, fixed when
+    /// the store opens.
+    fn instance(&self) -> &str;
+
+    /// Whether the server process `instance` is alive. PostgreSQL answers from the advisory
+    /// lock each process holds on a connection of its own for as long as it runs (a killed
+    /// process's connection closes and its lock goes with it). A SQLite database serves one
+    /// server process at a time, so any other instance is a previous run: not alive.
+    async fn instance_alive(&self, instance: &str) -> Result<bool>;
+
+    /// How long another instance must be seen dead before its work is taken over: a process
+    /// whose instance lock is briefly gone (a database restart) reclaims it within this time.
+    fn takeover_grace(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Takes the cross-process lock on `key`, waiting for other holders.
+    async fn lock(&self, key: &str) -> Result<StoreLock>;
+
+    /// A 32-byte key shared by every server process on the database (created by the first
+    /// that asks, with `fresh`). Kept apart from the state [`Store::digest`] covers.
+    async fn shared_key(&self, name: &str, fresh: [u8; 32]) -> Result<[u8; 32]>;
+
+    /// Appends made by other server processes, as they commit (PostgreSQL LISTEN/NOTIFY).
+    /// Only a wake-up: a lost notification is made good by the next read of the log. `None`
+    /// when no other process can append (SQLite).
+    fn foreign_appends(&self) -> Option<tokio::sync::broadcast::Receiver<ForeignAppend>> {
+        None
+    }
+}
+
+/// A stored shared key (hex) back to bytes.
+fn decode_key(hex_value: &str) -> Result<[u8; 32]> {
+    hex::decode(hex_value)
+        .ok()
+        .and_then(|v| <[u8; 32]>::try_from(v).ok())
+        .ok_or_else(|| StoreError::Corrupt("a shared key is not 32 bytes of hex".into()))
 }
 
 /// Opens the configured store and runs its migrations.

@@ -9,44 +9,161 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::Value;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{Row as _, SqlSafeStr as _};
+use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions};
+use sqlx::{Connection as _, Row as _, SqlSafeStr as _};
 use time::OffsetDateTime;
+use tokio::sync::broadcast;
 
 use super::rows::{
     RawEvent, RawIdem, RawRecord, RawStream, Snapshot, json_text, list_query, micros,
 };
 use super::{
-    Event, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError, StreamBounds,
+    Event, ForeignAppend, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError,
+    StoreLock, StreamBounds,
 };
 
 /// How long a request waits for a connection. While the database is down, every request
 /// fails after this long with `Unavailable` (a 503), so it is short.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Connections per server process.
-const MAX_CONNECTIONS: u32 = 10;
+/// Connections per server process (the instance lock and the listener hold one more each).
+const MAX_CONNECTIONS: u32 = 16;
+
+/// The first key of every instance lock (`pg_advisory_lock(INSTANCE_LOCKS, instance)`); other
+/// advisory locks use the one-key form, a separate key space.
+const INSTANCE_LOCKS: i32 = 0x5344_5350;
+/// How often the instance lock's connection is checked (and the lock retaken after a restart).
+const INSTANCE_CHECK: Duration = Duration::from_secs(2);
+/// How long another instance must look dead before its sessions are taken over: longer than
+/// it takes a live process to retake its lock after the database comes back.
+const TAKEOVER_GRACE: Duration = Duration::from_secs(5);
+/// The NOTIFY channel of appends: payload `<instance> <seq> <stream>`.
+const APPENDS: &str = "sandspec_events";
 
 pub struct PostgresStore {
     /// Reconnects by itself: connections broken by a database restart are tested and
     /// replaced when next acquired, so the server recovers without restarting.
     pool: PgPool,
+    /// This process's instance ID: its instance lock's second key, in hex.
+    instance: String,
+    /// Appends by other processes, from the LISTEN connection.
+    appends: broadcast::Sender<ForeignAppend>,
+    /// The instance-lock keeper and the listener; stopped with the store.
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for PostgresStore {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Opens a connection of its own holding the instance lock `key`; `Ok(None)` when another
+/// process holds it.
+async fn take_instance_lock(pool: &PgPool, key: i32) -> Result<Option<PgConnection>> {
+    let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
+    let got: bool = sqlx::query("SELECT pg_try_advisory_lock($1, $2)")
+        .bind(INSTANCE_LOCKS)
+        .bind(key)
+        .fetch_one(&mut conn)
+        .await?
+        .try_get(0)?;
+    Ok(got.then_some(conn))
+}
+
+/// Keeps the instance lock for the life of the process, retaking it when its connection is
+/// lost (a database restart).
+async fn keep_instance_lock(pool: PgPool, key: i32, mut conn: Option<PgConnection>) {
+    loop {
+        tokio::time::sleep(INSTANCE_CHECK).await;
+        let healthy = match conn.as_mut() {
+            Some(c) => sqlx::query("SELECT 1").execute(c).await.is_ok(),
+            None => false,
+        };
+        if !healthy {
+            conn = match take_instance_lock(&pool, key).await {
+                Ok(Some(c)) => Some(c),
+                Ok(None) => {
+                    tracing::error!(instance = %format!("{key:08x}"), "another process holds this instance's lock");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not retake the instance lock yet");
+                    None
+                }
+            };
+        }
+    }
+}
+
+/// Forwards other processes' appends from LISTEN to `tx`, reconnecting when the connection
+/// drops (notifications sent meanwhile are lost; readers re-read the log anyway).
+async fn listen_appends(pool: PgPool, instance: String, tx: broadcast::Sender<ForeignAppend>) {
+    loop {
+        let listener = async {
+            let mut l = PgListener::connect_with(&pool).await?;
+            l.listen(APPENDS).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        let mut listener = match listener.await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(error = %e, "LISTEN failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        loop {
+            match listener.recv().await {
+                Ok(n) => {
+                    let mut parts = n.payload().splitn(3, ' ');
+                    let (Some(from), Some(seq), Some(stream)) =
+                        (parts.next(), parts.next(), parts.next())
+                    else {
+                        continue;
+                    };
+                    if from != instance
+                        && let Ok(seq) = seq.parse::<i64>()
+                    {
+                        let _ = tx.send((stream.to_owned(), seq));
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "LISTEN connection lost; reconnecting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    break;
+                }
+            }
+        }
+    }
 }
 
 fn migrator() -> Migrator {
     // The migrator holds an advisory lock while it runs, so server processes that start
     // together migrate once.
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        "initial".into(),
-        MigrationType::Simple,
-        include_str!("../../migrations/postgres/0001_initial.sql").into_sql_str(),
-        false,
-    )])
+    Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "initial".into(),
+            MigrationType::Simple,
+            include_str!("../../migrations/postgres/0001_initial.sql").into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            2,
+            "server keys".into(),
+            MigrationType::Simple,
+            include_str!("../../migrations/postgres/0002_server_keys.sql").into_sql_str(),
+            false,
+        ),
+    ])
 }
 
 impl PostgresStore {
-    /// Connects to `url` (`postgres://...`) and migrates the database.
+    /// Connects to `url` (`postgres://...`), migrates the database, takes this process's
+    /// instance lock and starts listening for other processes' appends.
     pub async fn connect(url: &str) -> Result<Self> {
         let pool = PgPoolOptions::new()
             .max_connections(MAX_CONNECTIONS)
@@ -57,7 +174,31 @@ impl PostgresStore {
             .run(&pool)
             .await
             .map_err(|e| StoreError::Unavailable(format!("migrating: {e}")))?;
-        Ok(Self { pool })
+        let mut taken = None;
+        for _ in 0..16 {
+            let key = rand::random_range(1..i32::MAX);
+            if let Some(conn) = take_instance_lock(&pool, key).await? {
+                taken = Some((key, conn));
+                break;
+            }
+        }
+        let (instance_key, conn) = taken.ok_or_else(|| {
+            StoreError::Unavailable("no free instance lock after 16 tries".into())
+        })?;
+        let instance = format!("{instance_key:08x}");
+        let (appends, _) = broadcast::channel(4096);
+        let keeper = tokio::spawn(keep_instance_lock(pool.clone(), instance_key, Some(conn)));
+        let listener = tokio::spawn(listen_appends(
+            pool.clone(),
+            instance.clone(),
+            appends.clone(),
+        ));
+        Ok(Self {
+            pool,
+            instance,
+            appends,
+            tasks: vec![keeper.abort_handle(), listener.abort_handle()],
+        })
     }
 }
 
@@ -172,18 +313,23 @@ impl Store for PostgresStore {
         let at = crate::domain::now();
         // One statement, so one implicit transaction: the counter's row stays locked until the
         // event is in, and a failed insert rolls the counter back, so no number is skipped.
+        // The NOTIFY is delivered when it commits, to every server process listening.
         let seq: i64 = sqlx::query(
             "WITH next AS ( \
                  INSERT INTO streams (stream, last_seq, purged_through) VALUES ($1, 1, 0) \
                  ON CONFLICT (stream) DO UPDATE SET last_seq = streams.last_seq + 1 \
-                 RETURNING last_seq) \
-             INSERT INTO events (stream, seq, kind, data, at) \
-             SELECT $1, last_seq, $2, $3, $4 FROM next RETURNING seq",
+                 RETURNING last_seq), \
+             ins AS ( \
+                 INSERT INTO events (stream, seq, kind, data, at) \
+                 SELECT $1, last_seq, $2, $3, $4 FROM next RETURNING seq) \
+             SELECT seq, pg_notify($5, $6 || ' ' || seq || ' ' || $1)::text FROM ins",
         )
         .bind(stream)
         .bind(kind)
         .bind(json_text(data))
         .bind(micros(at))
+        .bind(APPENDS)
+        .bind(&self.instance)
         .fetch_one(&self.pool)
         .await?
         .try_get(0)?;
@@ -336,6 +482,62 @@ impl Store for PostgresStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    async fn instance_alive(&self, instance: &str) -> Result<bool> {
+        if instance == self.instance {
+            return Ok(true);
+        }
+        let Ok(key) = u32::from_str_radix(instance, 16) else {
+            // Not an instance of this store (e.g. from a SQLite run): not alive.
+            return Ok(false);
+        };
+        let held: bool = sqlx::query(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND classid::int8 = $1 AND objid::int8 = $2 AND objsubid = 2)",
+        )
+        .bind(i64::from(INSTANCE_LOCKS))
+        .bind(i64::from(key))
+        .fetch_one(&self.pool)
+        .await?
+        .try_get(0)?;
+        Ok(held)
+    }
+
+    fn takeover_grace(&self) -> Duration {
+        TAKEOVER_GRACE
+    }
+
+    async fn lock(&self, key: &str) -> Result<StoreLock> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(key)
+            .execute(&mut *tx)
+            .await?;
+        Ok(StoreLock::held(tx))
+    }
+
+    async fn shared_key(&self, name: &str, fresh: [u8; 32]) -> Result<[u8; 32]> {
+        sqlx::query("INSERT INTO server_keys (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+            .bind(name)
+            .bind(hex::encode(fresh))
+            .execute(&self.pool)
+            .await?;
+        let value: String = sqlx::query("SELECT value FROM server_keys WHERE name = $1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get(0)?;
+        super::decode_key(&value)
+    }
+
+    fn foreign_appends(&self) -> Option<broadcast::Receiver<ForeignAppend>> {
+        Some(self.appends.subscribe())
     }
 
     async fn digest(&self) -> Result<String> {

@@ -19,7 +19,8 @@ use super::rows::{
     RawEvent, RawIdem, RawRecord, RawStream, Snapshot, json_text, list_query, micros,
 };
 use super::{
-    Event, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError, StreamBounds,
+    Event, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError, StoreLock,
+    StreamBounds,
 };
 
 /// How long a writer waits for another connection (or another server process) to release the
@@ -36,16 +37,27 @@ pub struct SqliteStore {
     /// Keeps an in-memory database alive: SQLite drops it with its last connection, and the
     /// pool may close and reopen its connection. Never used for queries. `None` for a file.
     _memory_anchor: Option<Mutex<SqliteConnection>>,
+    /// This server process's instance ID.
+    instance: String,
 }
 
 fn migrator() -> Migrator {
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        "initial".into(),
-        MigrationType::Simple,
-        include_str!("../../migrations/sqlite/0001_initial.sql").into_sql_str(),
-        false,
-    )])
+    Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "initial".into(),
+            MigrationType::Simple,
+            include_str!("../../migrations/sqlite/0001_initial.sql").into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            2,
+            "server keys".into(),
+            MigrationType::Simple,
+            include_str!("../../migrations/sqlite/0002_server_keys.sql").into_sql_str(),
+            false,
+        ),
+    ])
 }
 
 impl SqliteStore {
@@ -97,6 +109,7 @@ impl SqliteStore {
         Ok(Self {
             pool,
             _memory_anchor: anchor,
+            instance: ulid::Ulid::new().to_string().to_ascii_lowercase(),
         })
     }
 }
@@ -406,6 +419,32 @@ impl Store for SqliteStore {
         }
         tx.commit().await?;
         snap.digest()
+    }
+
+    fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    async fn instance_alive(&self, instance: &str) -> Result<bool> {
+        Ok(instance == self.instance)
+    }
+
+    async fn lock(&self, _key: &str) -> Result<StoreLock> {
+        Ok(StoreLock::none())
+    }
+
+    async fn shared_key(&self, name: &str, fresh: [u8; 32]) -> Result<[u8; 32]> {
+        sqlx::query("INSERT INTO server_keys (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING")
+            .bind(name)
+            .bind(hex::encode(fresh))
+            .execute(&self.pool)
+            .await?;
+        let value: String = sqlx::query("SELECT value FROM server_keys WHERE name = ?1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get(0)?;
+        super::decode_key(&value)
     }
 }
 

@@ -1,8 +1,9 @@
 //! Durable per-stream event logs with live wake-ups, and the SSE responses built on them.
 //!
-//! The store's event table is the truth; the in-process wake-ups only tell waiting streams
-//! that there is something new to read. A stream that misses a wake-up still reads every
-//! event on its next poll, so nothing is ever skipped.
+//! The store's event table is the truth; the wake-ups only tell waiting streams that there is
+//! something new to read. Appends in this process wake them directly; appends by another
+//! server process sharing the database arrive through the store's LISTEN/NOTIFY feed. A stream
+//! that misses a wake-up still reads every event on its next poll, so nothing is ever skipped.
 
 pub mod sse;
 
@@ -20,15 +21,32 @@ pub struct EventLog {
     store: Arc<dyn Store>,
     /// One watch channel per stream that someone follows, carrying the last appended seq.
     /// Entries are created on demand and dropped when nobody follows the stream any more.
-    wakers: Arc<Mutex<HashMap<String, watch::Sender<i64>>>>,
+    wakers: Arc<Wakers>,
 }
 
 impl EventLog {
+    /// Must be called inside a Tokio runtime when the store reports other processes' appends:
+    /// a task forwards them as wake-ups for as long as the store lives.
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self {
+        let log = Self {
             store,
             wakers: Arc::default(),
+        };
+        if let Some(mut foreign) = log.store.foreign_appends() {
+            let wakers = Arc::clone(&log.wakers);
+            tokio::spawn(async move {
+                use tokio::sync::broadcast::error::RecvError;
+                loop {
+                    match foreign.recv().await {
+                        Ok((stream, seq)) => wake(&wakers, &stream, seq),
+                        // Missed wake-ups are made good by the streams' own polling.
+                        Err(RecvError::Lagged(_)) => {}
+                        Err(RecvError::Closed) => return,
+                    }
+                }
+            });
         }
+        log
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -45,20 +63,7 @@ impl EventLog {
     /// Tells followers of `stream` that events up to `seq` exist (also used when another
     /// server process reports an append).
     pub fn wake(&self, stream: &str, seq: i64) {
-        let mut wakers = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = wakers.get(stream) {
-            if tx.receiver_count() == 0 {
-                wakers.remove(stream);
-            } else {
-                tx.send_if_modified(|last| {
-                    let newer = seq > *last;
-                    if newer {
-                        *last = seq;
-                    }
-                    newer
-                });
-            }
-        }
+        wake(&self.wakers, stream, seq);
     }
 
     /// A receiver that changes whenever something is appended to `stream`.
@@ -68,6 +73,25 @@ impl EventLog {
             .entry(stream.to_owned())
             .or_insert_with(|| watch::channel(0).0)
             .subscribe()
+    }
+}
+
+type Wakers = Mutex<HashMap<String, watch::Sender<i64>>>;
+
+fn wake(wakers: &Wakers, stream: &str, seq: i64) {
+    let mut wakers = wakers.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tx) = wakers.get(stream) {
+        if tx.receiver_count() == 0 {
+            wakers.remove(stream);
+        } else {
+            tx.send_if_modified(|last| {
+                let newer = seq > *last;
+                if newer {
+                    *last = seq;
+                }
+                newer
+            });
+        }
     }
 }
 
