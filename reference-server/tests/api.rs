@@ -1801,13 +1801,33 @@ async fn rejected_requests_of_every_kind_change_nothing() {
     )
     .await
     .problem(400, "invalid_path");
-    app.post(
-        ALICE,
-        &format!("{sbx}/processes"),
-        json!({"cmd": ["true"], "cwd": "no/such/dir"}),
-    )
-    .await
-    .problem(400, "invalid_path");
+    // Not an existing directory, or a program that cannot run: 400 naming the field (PRC-4.23,
+    // PRC-4.9), and no process is left.
+    let p = app
+        .post(
+            ALICE,
+            &format!("{sbx}/processes"),
+            json!({"cmd": ["true"], "cwd": "no/such/dir"}),
+        )
+        .await
+        .problem(400, "invalid_argument");
+    assert_eq!(p["param"], "cwd");
+    let p = app
+        .post_idem(
+            ALICE,
+            &format!("{sbx}/processes"),
+            "p2",
+            json!({"cmd": ["no-such-program-anywhere"]}),
+        )
+        .await
+        .problem(400, "invalid_argument");
+    assert_eq!(p["param"], "cmd");
+    assert!(
+        p["detail"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-program-anywhere")
+    );
     app.post(ALICE, &format!("{sbx}/previews"), json!({"port": 70000}))
         .await
         .problem(400, "invalid_argument");

@@ -222,6 +222,7 @@ impl From<ProviderError> for ApiError {
                 ApiError::InvalidState("the process was started without stdin".into())
             }
             ProviderError::InvalidPath => ApiError::InvalidPath,
+            ProviderError::InvalidArgument { param, detail } => ApiError::invalid(param, detail),
             ProviderError::Store(e) => e.into(),
             ProviderError::Io(e) => ApiError::internal(format!("provider: {e}")),
         }

@@ -646,16 +646,27 @@ fn read_grant(dir: &Path) -> io::Result<Resources> {
     serde_json::from_slice(&text).map_err(io::Error::other)
 }
 
-/// The working directory of a process: inside the root after resolving symlinks.
+/// The working directory of a process: inside the root after resolving symlinks
+/// (`InvalidPath` when it leads outside, `InvalidArgument` when it is not a directory).
 fn resolve_cwd(root: &Path, cwd: Option<&str>) -> Result<PathBuf, ProviderError> {
     let rel = normalize(cwd.unwrap_or("")).map_err(|_| ProviderError::InvalidPath)?;
     let root = std::fs::canonicalize(root).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => ProviderError::NotFound,
         _ => ProviderError::Io(e),
     })?;
-    let full = std::fs::canonicalize(root.join(&rel)).map_err(|_| ProviderError::InvalidPath)?;
-    if !full.starts_with(&root) || !full.is_dir() {
+    let not_a_dir = || ProviderError::InvalidArgument {
+        param: "cwd",
+        detail: "cwd must be an existing directory inside the sandbox".into(),
+    };
+    let full = std::fs::canonicalize(root.join(&rel)).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::NotADirectory => not_a_dir(),
+        _ => ProviderError::InvalidPath,
+    })?;
+    if !full.starts_with(&root) {
         return Err(ProviderError::InvalidPath);
+    }
+    if !full.is_dir() {
+        return Err(not_a_dir());
     }
     Ok(full)
 }

@@ -37,6 +37,10 @@ pub enum ProviderError {
     /// The working directory of a process is not inside the sandbox.
     #[error("invalid path")]
     InvalidPath,
+    /// A request field names something the sandbox does not have (a program that cannot be
+    /// run, a working directory that does not exist); nothing was started.
+    #[error("{detail}")]
+    InvalidArgument { param: &'static str, detail: String },
     /// The operating system refused (spawn failed, disk full, ...).
     #[error("{0}")]
     Io(#[from] std::io::Error),

@@ -204,16 +204,20 @@ pub(super) fn spawn(
     let (done_tx, done_rx) = watch::channel(false);
     let mut child = match cmd.spawn() {
         Ok(child) => child,
-        Err(e) => {
-            let code = match e.kind() {
-                io::ErrorKind::NotFound => 127,
-                io::ErrorKind::PermissionDenied => 126,
-                _ => return Err(ProviderError::Io(e)),
-            };
-            return Ok(never_started(
-                record, spec, program, &e, code, capture, done_tx, done_rx,
-            ));
+        // Nothing started and nothing recorded: the caller removes the record and answers
+        // 400 (PRC-4.9).
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::PermissionDenied
+            ) =>
+        {
+            return Err(ProviderError::InvalidArgument {
+                param: "cmd",
+                detail: format!("cannot run `{program}`: {e}"),
+            });
         }
+        Err(e) => return Err(ProviderError::Io(e)),
     };
     let pgid = child
         .id()
@@ -247,39 +251,6 @@ pub(super) fn spawn(
         let _ = done_tx.send(true);
     });
     Ok(handle)
-}
-
-/// A program that cannot be run (missing, not executable) ends like it does in a shell: the
-/// reason on stderr and exit code 127 or 126, recorded as for any other process.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the parts of `spawn` that a failed start still needs"
-)]
-fn never_started(
-    record: &Record,
-    spec: &ProcessSpec,
-    program: &str,
-    error: &io::Error,
-    code: i32,
-    capture: Arc<Capture>,
-    done_tx: watch::Sender<bool>,
-    done_rx: watch::Receiver<bool>,
-) -> Arc<ProcessHandle> {
-    let handle = Arc::new(ProcessHandle {
-        id: record.id.clone(),
-        pgid: 0,
-        // Present but closed: stdin calls answer `ProcessExited`, as after any exit.
-        stdin: spec.stdin.then(|| tokio::sync::Mutex::new(None)),
-        exited: AtomicBool::new(true),
-        done: done_rx,
-    });
-    let message = format!("cannot run `{program}`: {error}\n");
-    tokio::spawn(async move {
-        capture.append("stderr", message).await;
-        record_exit(&capture, ProcessState::Exited, Some(code), None).await;
-        let _ = done_tx.send(true);
-    });
-    handle
 }
 
 /// Moves the calling process into the cgroup whose `cgroup.procs` is `path` (`0` = itself).

@@ -539,31 +539,22 @@ async fn signals_reach_the_group_and_exited_processes_refuse_them() {
 }
 
 #[tokio::test]
-async fn programs_that_cannot_run_exit_like_in_a_shell() {
+async fn programs_that_cannot_run_are_refused_and_leave_nothing() {
     let f = fixture().await;
     let local = f.sandbox().await;
-    let mut missing = spec(&["no-such-program-anywhere"]);
-    missing.stdin = true;
-    let id = f.start(&local, missing).await;
-    let (events, record) = f.wait_exit(&id).await;
-    assert!(output_of(&events, "stderr").contains("cannot run `no-such-program-anywhere`"));
-    assert_eq!(
-        events.last().unwrap().data,
-        serde_json::json!({"state": "exited", "exit_code": 127, "signal": null})
-    );
-    assert_eq!(record.state, "exited");
-    assert!(matches!(
-        f.provider.write_stdin(&id, b"x", false).await,
-        Err(ProviderError::ProcessExited)
-    ));
-    assert!(matches!(
-        f.provider.signal(&id, Signal::Term),
-        Err(ProviderError::ProcessExited)
-    ));
-
     std::fs::write(f.root(&local).join("not-executable"), "#!/bin/sh\n").unwrap();
-    let id = f.start(&local, spec(&["./not-executable"])).await;
-    assert_eq!(f.wait_exit(&id).await.1.body["exit_code"], 126);
+    for program in ["no-such-program-anywhere", "./not-executable"] {
+        let result = f
+            .try_start(&local, spec(&[program]), &BTreeMap::new())
+            .await;
+        match result {
+            Err(ProviderError::InvalidArgument { param, detail }) => {
+                assert_eq!(param, "cmd");
+                assert!(detail.contains(program), "{detail}");
+            }
+            other => panic!("{program}: {other:?}"),
+        }
+    }
     f.provider.destroy(&local).await.unwrap();
 }
 
@@ -614,12 +605,25 @@ async fn cwd_and_env() {
     assert_eq!(lines[2], "from-sandbox from-process");
     assert!(lines[3].contains("/usr/bin"));
 
-    for cwd in ["..", "../..", "/tmp", "etc-link", "missing"] {
+    for cwd in ["..", "../..", "/tmp", "etc-link"] {
         let mut escape = spec(&["true"]);
         escape.cwd = Some(cwd.into());
         let result = f.try_start(&local, escape, &BTreeMap::new()).await;
         assert!(
             matches!(result, Err(ProviderError::InvalidPath)),
+            "cwd {cwd}: {result:?}"
+        );
+    }
+    std::fs::write(f.root(&local).join("a-file"), "x").unwrap();
+    for cwd in ["missing", "a-file", "sub/missing"] {
+        let mut absent = spec(&["true"]);
+        absent.cwd = Some(cwd.into());
+        let result = f.try_start(&local, absent, &BTreeMap::new()).await;
+        assert!(
+            matches!(
+                result,
+                Err(ProviderError::InvalidArgument { param: "cwd", .. })
+            ),
             "cwd {cwd}: {result:?}"
         );
     }
