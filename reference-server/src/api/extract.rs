@@ -115,7 +115,7 @@ pub async fn read_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<By
     })
 }
 
-fn is_json(headers: &HeaderMap) -> bool {
+pub(crate) fn is_json(headers: &HeaderMap) -> bool {
     let Some(value) = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -299,21 +299,26 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        let Some(value) = parts.headers.get("idempotency-key") else {
-            return Ok(IdempotencyKey(None));
-        };
-        let bad = || {
-            ApiError::invalid(
-                "Idempotency-Key",
-                "the idempotency key must be 1 to 255 visible ASCII characters",
-            )
-        };
-        let key = value.to_str().map_err(|_| bad())?;
-        if key.is_empty() || key.len() > 255 || !key.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(bad());
-        }
-        Ok(IdempotencyKey(Some(key.to_owned())))
+        idempotency_key(&parts.headers).map(IdempotencyKey)
     }
+}
+
+/// The `Idempotency-Key` header, if any, validated.
+pub(crate) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let bad = || {
+        ApiError::invalid(
+            "Idempotency-Key",
+            "the idempotency key must be 1 to 255 visible ASCII characters",
+        )
+    };
+    let key = value.to_str().map_err(|_| bad())?;
+    if key.is_empty() || key.len() > 255 || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad());
+    }
+    Ok(Some(key.to_owned()))
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 
 use std::future::Future;
 
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -21,11 +21,37 @@ use crate::store::{IdemClaim, Kind, Record, Scope};
 use super::error::ApiError;
 use super::state::AppState;
 
-/// What a creating operation produced: its status, the ID of the resource, and the body.
+/// What a creating operation produced: its status, the ID of the resource, the body, and any
+/// headers (such as `Location`).
 pub struct Created {
     pub status: StatusCode,
     pub resource_id: String,
     pub body: Value,
+    pub headers: Vec<(HeaderName, String)>,
+}
+
+impl Created {
+    /// A created resource answered with its body and no extra headers.
+    pub fn new(status: StatusCode, resource_id: String, body: Value) -> Self {
+        Self {
+            status,
+            resource_id,
+            body,
+            headers: Vec::new(),
+        }
+    }
+}
+
+impl IntoResponse for Created {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body)).into_response();
+        for (name, value) in self.headers {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                response.headers_mut().insert(name, value);
+            }
+        }
+        response
+    }
 }
 
 /// Identifies one idempotent request.
@@ -58,29 +84,33 @@ where
             .store
             .get(kind, Scope::Owner(&principal), &id)
             .await?;
-        rec.as_ref().map(view).transpose()
+        let body = rec.as_ref().map(view).transpose()?;
+        Ok(body.map(|body| Created::new(StatusCode::OK, id, body)))
     };
     run(state, req, create, replay).await
 }
 
 /// Runs `create` at most once per key. `replay` renders the resource's current state for a
-/// repeated request (`None` when it is gone). The creation runs in its own task so that a
-/// client that disconnects cannot leave a half-made resource or a claimed key behind.
-pub async fn run<C, CF, R, RF>(
+/// repeated request (`None` when it is gone); it is answered with the original status. The
+/// creation runs in its own task so that a client that disconnects cannot leave a half-made
+/// resource or a claimed key behind. Generic over the error so that the gateway, whose
+/// errors include codes of its own, shares it.
+pub async fn run<C, CF, R, RF, E>(
     state: &AppState,
     req: IdemRequest<'_>,
     create: C,
     replay: R,
-) -> Result<Response, ApiError>
+) -> Result<Response, E>
 where
     C: FnOnce() -> CF,
-    CF: Future<Output = Result<Created, ApiError>> + Send + 'static,
+    CF: Future<Output = Result<Created, E>> + Send + 'static,
     R: FnOnce(String) -> RF,
-    RF: Future<Output = Result<Option<Value>, ApiError>>,
+    RF: Future<Output = Result<Option<Created>, E>>,
+    E: From<ApiError> + Send + 'static,
 {
     let key = match req.key {
         Some(key) if !state.config.defects.has(Defect::IdempotencyIgnored) => key,
-        _ => return spawn(create()).await.map(respond),
+        _ => return spawn(create()).await.map(IntoResponse::into_response),
     };
     let scoped = format!("{} {} {}", req.method, req.path, key);
     let hash = hex::encode(Sha256::digest(req.body));
@@ -91,21 +121,22 @@ where
     match state
         .store
         .idem_claim(req.principal, &scoped, &hash, expire_before)
-        .await?
+        .await
+        .map_err(ApiError::from)?
     {
         IdemClaim::Claimed => {}
-        IdemClaim::InFlight { .. } => return Err(ApiError::IdempotencyKeyInUse),
+        IdemClaim::InFlight { .. } => return Err(ApiError::IdempotencyKeyInUse.into()),
         IdemClaim::Done { request_hash, .. } if request_hash != hash => {
-            return Err(ApiError::IdempotencyKeyReused);
+            return Err(ApiError::IdempotencyKeyReused.into());
         }
         IdemClaim::Done {
             status,
             resource_id,
             ..
         } => {
-            let body = replay(resource_id).await?.ok_or(ApiError::NotFound)?;
-            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-            let mut response = (status, axum::Json(body)).into_response();
+            let mut created = replay(resource_id).await?.ok_or(ApiError::NotFound)?;
+            created.status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            let mut response = created.into_response();
             response
                 .headers_mut()
                 .insert("idempotent-replayed", HeaderValue::from_static("true"));
@@ -136,16 +167,15 @@ where
         outcome
     })
     .await?;
-    Ok(respond(outcome))
+    Ok(outcome.into_response())
 }
 
-async fn spawn<F>(fut: F) -> Result<Created, ApiError>
+async fn spawn<F, E>(fut: F) -> Result<Created, E>
 where
-    F: Future<Output = Result<Created, ApiError>> + Send + 'static,
+    F: Future<Output = Result<Created, E>> + Send + 'static,
+    E: From<ApiError> + Send + 'static,
 {
-    tokio::spawn(fut).await.map_err(ApiError::internal)?
-}
-
-fn respond(created: Created) -> Response {
-    (created.status, axum::Json(created.body)).into_response()
+    tokio::spawn(fut)
+        .await
+        .map_err(|e| E::from(ApiError::internal(e)))?
 }

@@ -4,12 +4,12 @@
 //! every store lookup made for a client passes the client's principal as the owner.
 
 mod error;
-mod extract;
+pub(crate) mod extract;
 mod files;
-mod idempotency;
+pub(crate) mod idempotency;
 mod lookup;
 mod meta;
-mod pagination;
+pub(crate) mod pagination;
 mod previews;
 mod processes;
 mod request_id;

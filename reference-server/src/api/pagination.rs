@@ -45,8 +45,26 @@ impl PageRequest {
         principal: &str,
         filters: String,
     ) -> Result<Self, ApiError> {
+        Self::from_parts(
+            state,
+            query.get("limit"),
+            query.get("page_token"),
+            principal,
+            filters,
+        )
+    }
+
+    /// [`PageRequest::parse`] from the raw `limit` and `page_token` values. Every list names
+    /// its resource first in `filters`, so a token of one list is refused by another.
+    pub fn from_parts(
+        state: &AppState,
+        limit: Option<&str>,
+        page_token: Option<&str>,
+        principal: &str,
+        filters: String,
+    ) -> Result<Self, ApiError> {
         let limits = &state.config.limits;
-        let limit = match query.get("limit") {
+        let limit = match limit {
             None => limits.default_page_size,
             Some(raw) => match raw.parse::<u32>() {
                 Ok(n) if (1..=limits.max_page_size).contains(&n) => n,
@@ -64,7 +82,7 @@ impl PageRequest {
             principal: principal.to_owned(),
             filters,
         };
-        if let Some(token) = query.get("page_token") {
+        if let Some(token) = page_token {
             page.after = Some(
                 page.verify(state, token)
                     .ok_or(ApiError::InvalidPageToken)?,
@@ -105,12 +123,12 @@ impl PageRequest {
 
     /// Builds the page from up to `limit + 1` matching records (the extra one only says that
     /// there is more).
-    pub fn page<T>(
+    pub fn page<T, E>(
         &self,
         state: &AppState,
         mut records: Vec<Record>,
-        view: impl Fn(&Record) -> Result<T, ApiError>,
-    ) -> Result<Page<T>, ApiError> {
+        view: impl FnMut(&Record) -> Result<T, E>,
+    ) -> Result<Page<T>, E> {
         let has_more = records.len() > self.limit as usize;
         records.truncate(self.limit as usize);
         let next_page_token = if has_more {

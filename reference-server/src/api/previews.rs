@@ -110,6 +110,7 @@ pub async fn create(
             status: StatusCode::CREATED,
             resource_id: rec.id.clone(),
             body: view(&task_base, &rec)?,
+            headers: Vec::new(),
         })
     };
     let idem = IdemRequest {

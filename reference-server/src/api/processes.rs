@@ -217,6 +217,7 @@ pub async fn start(
             status: StatusCode::CREATED,
             resource_id: rec.id.clone(),
             body: view(&rec)?,
+            headers: Vec::new(),
         })
     };
     let idem = IdemRequest {

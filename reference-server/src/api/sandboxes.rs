@@ -355,6 +355,7 @@ pub async fn create(
             status: StatusCode::CREATED,
             resource_id: rec.id.clone(),
             body: view(&rec)?,
+            headers: Vec::new(),
         })
     };
     let idem = IdemRequest {
@@ -668,6 +669,7 @@ pub async fn connect(
             status: StatusCode::CREATED,
             resource_id: rec.id.clone(),
             body: connection_view(&rec)?,
+            headers: Vec::new(),
         })
     };
     let idem = IdemRequest {

@@ -79,6 +79,7 @@ pub async fn create(
             status: StatusCode::CREATED,
             resource_id: rec.id.clone(),
             body: view(&rec)?,
+            headers: Vec::new(),
         })
     };
     let idem = IdemRequest {

@@ -21,7 +21,8 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::core::{Gateway, Loaded};
 use super::http::{
-    Caller, Created, GwError, GwResult, PageRequest, idempotency_key, idempotent, json_body,
+    Caller, Created, GwError, GwResult, IdemRequest, PageRequest, idempotency_key, idempotent,
+    json_body,
 };
 use super::model::{Agent, Cleanup, SessionDoc, new_id, plausible_id};
 use super::signing::new_secret;
@@ -327,16 +328,14 @@ pub async fn create(
             })),
         }
     };
-    idempotent(
-        &state,
-        &caller.principal,
-        format!("POST {}", uri.path()),
+    let req = IdemRequest {
+        principal: &caller.principal,
+        method: "POST",
+        path: uri.path(),
         key,
-        &raw,
-        creating,
-        replay,
-    )
-    .await
+        body: &raw,
+    };
+    idempotent(&state, req, || creating, replay).await
 }
 
 async fn create_session(
@@ -541,7 +540,7 @@ pub async fn list(
             ));
         }
     };
-    let page = PageRequest::parse(
+    let page = PageRequest::from_parts(
         &state,
         q.get("limit").map(String::as_str),
         q.get("page_token").map(String::as_str),
@@ -565,7 +564,9 @@ pub async fn list(
         );
     }
     let mut views = views.into_iter();
-    let body = page.page(&state, recs, |_| Ok(views.next().unwrap_or_default()))?;
+    let body = page.page(&state, recs, |_| {
+        Ok::<_, GwError>(views.next().unwrap_or_default())
+    })?;
     Ok(axum::Json(body).into_response())
 }
 

@@ -18,7 +18,8 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 use super::artifacts::ArtifactDoc;
 use super::core::{Gateway, decode};
 use super::http::{
-    Caller, Created, GwError, GwResult, PageRequest, idempotency_key, idempotent, json_body,
+    Caller, Created, GwError, GwResult, IdemRequest, PageRequest, idempotency_key, idempotent,
+    json_body,
 };
 use super::model::{OperationDoc, SubmissionDoc, new_id, plausible_id};
 use super::routes::{PathId, query_pairs};
@@ -74,17 +75,15 @@ pub async fn submit(
             headers: vec![(header::LOCATION, format!("/v1/submissions/{id}"))],
         }))
     };
-    let scope = format!("POST /v1/sessions/{sid}/submissions");
-    idempotent(
-        &state,
-        &caller.principal,
-        scope,
-        Some(key),
-        &raw,
-        creating,
-        replay,
-    )
-    .await
+    let path = format!("/v1/sessions/{sid}/submissions");
+    let req = IdemRequest {
+        principal: &caller.principal,
+        method: "POST",
+        path: &path,
+        key: Some(key),
+        body: &raw,
+    };
+    idempotent(&state, req, || creating, replay).await
 }
 
 async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Created> {
@@ -215,7 +214,7 @@ pub async fn list(
     {
         return Err(GwError::invalid("state", "unknown submission state"));
     }
-    let page = PageRequest::parse(
+    let page = PageRequest::from_parts(
         &state,
         q.get("limit").map(String::as_str),
         q.get("page_token").map(String::as_str),
@@ -237,7 +236,9 @@ pub async fn list(
         views.push(gw.submission_view(&doc).await?);
     }
     let mut views = views.into_iter();
-    let body = page.page(&state, recs, |_| Ok(views.next().unwrap_or_default()))?;
+    let body = page.page(&state, recs, |_| {
+        Ok::<_, GwError>(views.next().unwrap_or_default())
+    })?;
     Ok(axum::Json(body).into_response())
 }
 
@@ -343,7 +344,7 @@ pub async fn list_artifacts(
     owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let submission = q.get("submission_id").cloned();
-    let page = PageRequest::parse(
+    let page = PageRequest::from_parts(
         &state,
         q.get("limit").map(String::as_str),
         q.get("page_token").map(String::as_str),
@@ -366,7 +367,9 @@ pub async fn list_artifacts(
             break;
         }
     }
-    let body = page.page(&state, recs, |rec| Ok(decode::<ArtifactDoc>(rec)?.view()))?;
+    let body = page.page(&state, recs, |rec| {
+        Ok::<_, GwError>(decode::<ArtifactDoc>(rec)?.view())
+    })?;
     Ok(axum::Json(body).into_response())
 }
 
@@ -456,7 +459,7 @@ pub async fn list_operations(
         return Err(GwError::invalid("state", "unknown operation state"));
     }
     let submission = q.get("submission_id").cloned();
-    let page = PageRequest::parse(
+    let page = PageRequest::from_parts(
         &state,
         q.get("limit").map(String::as_str),
         q.get("page_token").map(String::as_str),
@@ -482,7 +485,9 @@ pub async fn list_operations(
             break;
         }
     }
-    let body = page.page(&state, recs, |rec| Ok(decode::<OperationDoc>(rec)?.view()))?;
+    let body = page.page(&state, recs, |rec| {
+        Ok::<_, GwError>(decode::<OperationDoc>(rec)?.view())
+    })?;
     Ok(axum::Json(body).into_response())
 }
 
