@@ -19,7 +19,7 @@ use crate::defects::Defect;
 use crate::domain::now;
 use crate::store::{Kind, Record, Scope};
 
-use super::core::{Gateway, Loaded, SessionRt, decode};
+use super::core::{Gateway, Loaded, SessionGuard, SessionRt, decode};
 use super::http::{Admin, GwError, GwResult, parse_json};
 use super::model::{ErrorBody, OperationDoc, SubmissionDoc, Usage, new_id, plausible_id, rfc3339};
 use super::routes::{PathId, PathIds};
@@ -84,22 +84,32 @@ fn parse<T: DeserializeOwned>(a: &Authed) -> GwResult<T> {
     Ok(parse_json(&a.body)?)
 }
 
-/// The session, locked, after authentication; 409 `session_not_active` once deleting
-/// (and 403 if it vanished meanwhile).
-async fn locked(gw: &Gateway, sid: &str) -> GwResult<(Arc<SessionRt>, Loaded)> {
-    let rt = gw.rt(sid);
+/// The session, locked, after authentication (403 if it vanished meanwhile).
+async fn locked<'a>(
+    gw: &Gateway,
+    rt: &'a SessionRt,
+    sid: &str,
+) -> GwResult<(SessionGuard<'a>, Loaded)> {
+    let guard = gw.lock(rt, sid).await?;
     let loaded = gw
         .session(Scope::System, sid)
         .await?
         .ok_or(ApiError::PermissionDenied)?;
-    Ok((rt, loaded))
+    Ok((guard, loaded))
 }
 
-fn fence(gw: &Gateway, loaded: &Loaded, generation: i64) -> GwResult<()> {
+/// [`locked`], for a write under lease `generation`: 409 `lease_lost` unless it is current.
+async fn fenced<'a>(
+    gw: &Gateway,
+    rt: &'a SessionRt,
+    sid: &str,
+    generation: i64,
+) -> GwResult<(SessionGuard<'a>, Loaded)> {
+    let (guard, loaded) = locked(gw, rt, sid).await?;
     if loaded.doc.lease_is_current(generation)
         || gw.state.config.defects.has(Defect::StaleLeaseWriteAccepted)
     {
-        Ok(())
+        Ok((guard, loaded))
     } else {
         Err(GwError::lease_lost())
     }
@@ -122,9 +132,8 @@ pub async fn take_lease(
 ) -> GwResult<Response> {
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: TakeLease = parse(&authed)?;
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, mut loaded) = locked(&gw, &sid).await?;
+    let rt = gw.rt(&sid);
+    let (_guard, mut loaded) = locked(&gw, &rt, &sid).await?;
     if loaded.doc.state == "deleting" {
         return Err(GwError::session_not_active());
     }
@@ -171,10 +180,8 @@ pub async fn heartbeat(
 ) -> GwResult<Response> {
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: Generation = parse(&authed)?;
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     rt.live().lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
     let active = gw.active_submission(&sid).await?;
     let cancel_submission = active
@@ -206,10 +213,8 @@ pub async fn next(
 ) -> GwResult<Response> {
     let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
     let req: Generation = parse(&authed)?;
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, loaded) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     if loaded.doc.state != "active" {
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
@@ -300,10 +305,8 @@ pub async fn start_operation(
             "effect_class must be read or write",
         ));
     }
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, loaded) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     running_submission(&gw, &sid, &req.submission_id).await?;
     let op = OperationDoc {
         id: new_id("op_"),
@@ -372,10 +375,8 @@ pub async fn complete_operation(
             "state must be succeeded, failed or cancelled",
         ));
     }
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     let mut rec = gw
         .state
         .store
@@ -432,10 +433,8 @@ pub async fn output(
             "stream must be assistant, stdout or stderr",
         ));
     }
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     running_submission(&gw, &sid, &req.submission_id).await?;
     gw.append(
         &sid,
@@ -479,10 +478,8 @@ pub async fn complete_submission(
             "state must be completed, failed or cancelled",
         ));
     }
-    let (rt, _) = locked(&gw, &sid).await?;
-    let _guard = gw.lock(&rt, &sid).await?;
-    let (_, loaded) = locked(&gw, &sid).await?;
-    fence(&gw, &loaded, req.lease_generation)?;
+    let rt = gw.rt(&sid);
+    let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     let (mut rec, mut sub) = running_submission(&gw, &sid, &sub_id).await?;
     gw.end_running_operations(&sid, &sub.id, "failed").await?;
     sub.output = req.output;
