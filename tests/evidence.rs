@@ -1085,6 +1085,9 @@ struct RealRun {
     scenarios: usize,
     /// The run's tokens and canary: none of them may appear in the folder.
     secrets: Vec<String>,
+    /// Values the scenarios captured as secrets (bridge keys), registered with the sanitizer
+    /// as `sandspec run` does; none of them may appear in the folder either.
+    captured: Vec<String>,
     run_id: String,
 }
 
@@ -1116,6 +1119,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
     let started_at = now();
     let started = std::time::Instant::now();
     let results = run_all(&target, &scenarios, &run_id, jobs, 0).await;
+    let captured: Vec<String> = results.iter().flat_map(|r| r.secrets.clone()).collect();
     let reports: Vec<ScenarioReport> = scenarios
         .iter()
         .zip(results)
@@ -1146,11 +1150,16 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         run_swept: Vec::new(),
     };
     let tokens = &target.tokens;
-    let sanitizer = for_tokens(tokens).unwrap();
+    let mut sanitizer = for_tokens(tokens).unwrap();
     assert_eq!(
         sanitizer.secret_count(),
         2 + usize::from(tokens.admin.is_some())
     );
+    for (i, value) in captured.iter().enumerate() {
+        sanitizer
+            .add_secret(value, &format!("captured-secret-{i}"))
+            .unwrap();
+    }
     let write = WriteOptions {
         canary: new_canary(),
         subject: Subject::reference_binary(&binary).unwrap(),
@@ -1171,11 +1180,13 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         write.canary.clone(),
     ];
     secrets.extend(tokens.admin.clone());
+    secrets.extend(captured.iter().cloned());
     RealRun {
         _tmp: tmp,
         dest,
         scenarios: scenarios.len(),
         secrets,
+        captured,
         run_id,
     }
 }
@@ -1210,6 +1221,55 @@ async fn a_real_run_writes_a_verified_folder() {
         findings.is_empty(),
         "detect-secrets found:\n{}",
         findings.join("\n")
+    );
+}
+
+/// A scenario that signs bridge requests with a session's bridge secret: the secret was
+/// captured as a secret, and neither it nor any signature made with it is in the folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_secret_and_its_signatures_never_reach_the_folder() {
+    let run = real_run(&["WRK-FENCE-001"], 1).await;
+    assert!(verify(&run.dest).ok());
+    let r = receipt(&run.dest).predicate;
+    assert_eq!(r.counts.total, 1);
+    assert_eq!(r.counts.pass, 1, "{:?}", r.counts);
+    // The bridge secret (256 bits, hex) was registered, once.
+    let keys: Vec<&String> = run
+        .captured
+        .iter()
+        .filter(|v| v.len() == 64 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .collect();
+    assert_eq!(keys.len(), 1, "{:?}", run.captured.len());
+    let transcript =
+        String::from_utf8(std::fs::read(run.dest.join("transcripts/WRK-FENCE-001.json")).unwrap())
+            .unwrap();
+    for (name, bytes) in files(&run.dest) {
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains(keys[0].as_str()),
+            "{name} holds the bridge secret"
+        );
+        assert!(!text.contains("v1="), "{name} holds a bridge signature");
+    }
+    // Signed requests were sent, and their signature headers were redacted, not dropped.
+    let transcript: serde_json::Value = serde_json::from_str(&transcript).unwrap();
+    let signatures: Vec<&serde_json::Value> = transcript["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["http"]["request_headers"].as_array())
+        .flatten()
+        .filter(|pair| {
+            pair[0]
+                .as_str()
+                .is_some_and(|k| k.eq_ignore_ascii_case("x-sandspec-signature"))
+        })
+        .map(|pair| &pair[1])
+        .collect();
+    assert!(signatures.len() >= 6, "{signatures:?}");
+    assert!(
+        signatures.iter().all(|v| *v == "[REDACTED]"),
+        "{signatures:?}"
     );
 }
 

@@ -79,6 +79,11 @@ pub enum Defect {
     ArtifactTracksFile,
     /// Cancel of a running tool call answers 200 but the tool keeps running.
     OperationCancelIgnored,
+    /// A submission's event stream ends like the session's stream: not after the submission's
+    /// terminal event, and never 204.
+    SubmissionStreamNeverEnds,
+    /// A submission's event stream also carries the session's other events.
+    SubmissionStreamLeaksOtherEvents,
 }
 
 impl Defect {
@@ -117,6 +122,8 @@ impl Defect {
         Defect::CancelRunningIgnored,
         Defect::ArtifactTracksFile,
         Defect::OperationCancelIgnored,
+        Defect::SubmissionStreamNeverEnds,
+        Defect::SubmissionStreamLeaksOtherEvents,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -155,6 +162,8 @@ impl Defect {
             Defect::CancelRunningIgnored => "cancel-running-ignored",
             Defect::ArtifactTracksFile => "artifact-tracks-file",
             Defect::OperationCancelIgnored => "operation-cancel-ignored",
+            Defect::SubmissionStreamNeverEnds => "submission-stream-never-ends",
+            Defect::SubmissionStreamLeaksOtherEvents => "submission-stream-leaks-other-events",
         }
     }
 
@@ -200,6 +209,12 @@ impl Defect {
             Defect::CancelRunningIgnored => "a running turn's cancel is answered but not done",
             Defect::ArtifactTracksFile => "artifact content follows later changes to its file",
             Defect::OperationCancelIgnored => "a tool call's cancel is answered but not done",
+            Defect::SubmissionStreamNeverEnds => {
+                "a submission stream does not end after the submission does"
+            }
+            Defect::SubmissionStreamLeaksOtherEvents => {
+                "a submission stream carries other submissions' events"
+            }
         }
     }
 }

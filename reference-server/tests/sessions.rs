@@ -1112,6 +1112,165 @@ async fn open_streams_of_a_deleted_session_end_with_session_deleted() {
     assert!(sse.eof);
 }
 
+/// Opens `/v1/submissions/{id}/events` for ALICE, resuming after `after` when given.
+async fn submission_stream(app: &TestApp, id: &str, after: Option<i64>) -> support::RawSse {
+    let after = after.map(|n| n.to_string());
+    let mut headers = vec![("Accept", "text/event-stream")];
+    if let Some(after) = &after {
+        headers.push(("Last-Event-ID", after.as_str()));
+    }
+    support::RawSse::open(
+        app,
+        &format!("/v1/submissions/{id}/events"),
+        ALICE,
+        &headers,
+    )
+    .await
+}
+
+fn ids(frames: &[support::Frame]) -> Vec<i64> {
+    frames
+        .iter()
+        .map(|f| f.field("id").expect("an id").parse().expect("a number"))
+        .collect()
+}
+
+/// A session with two finished turns: `(sid, first, second)`.
+async fn two_finished_turns(app: &TestApp) -> (String, String, String) {
+    let session = create_session(app, ALICE, "echo").await;
+    let sid = session["id"].as_str().unwrap().to_owned();
+    let first = submit(app, ALICE, &sid, "a", "one").await;
+    let second = submit(app, ALICE, &sid, "b", "two").await;
+    let [first, second] = [&first, &second].map(|s| s["id"].as_str().unwrap().to_owned());
+    wait_submission(app, ALICE, &second, terminal).await;
+    (sid, first, second)
+}
+
+#[tokio::test]
+async fn a_submission_stream_carries_its_own_events_and_ends_after_the_last() {
+    let app = app().await;
+    let session = create_session(&app, ALICE, "slow-text").await;
+    let sid = session["id"].as_str().unwrap();
+    let first = submit(&app, ALICE, sid, "a", "one").await;
+    let second = submit(&app, ALICE, sid, "b", "two").await;
+    let (first, second) = (
+        first["id"].as_str().unwrap(),
+        second["id"].as_str().unwrap(),
+    );
+    let path = format!("/v1/submissions/{second}/events");
+    app.get(ALICE, &path).await.problem(406, "not_acceptable");
+    for (token, id) in [(BOB, second), (ALICE, "sub_01jzzzzzzzzzzzzzzzzzzzzzzz")] {
+        let r = app
+            .send(
+                app.request(
+                    Some(token),
+                    reqwest::Method::GET,
+                    &format!("/v1/submissions/{id}/events"),
+                )
+                .header("Accept", "text/event-stream"),
+            )
+            .await;
+        r.problem(404, "not_found");
+    }
+
+    // Opened while the turn is still queued behind the first one.
+    let mut sse = submission_stream(&app, second, None).await;
+    assert_eq!(sse.status, 200);
+    assert_eq!(
+        sse.header("content-type").as_deref(),
+        Some("text/event-stream")
+    );
+    assert_eq!(
+        app.get(ALICE, &format!("/v1/submissions/{second}"))
+            .await
+            .ok(200)["state"],
+        "queued"
+    );
+    let frames = sse.events_until_end(Duration::from_secs(20)).await;
+    assert!(sse.eof);
+    assert!(
+        frames.iter().all(|f| f.data()["submission_id"] == second),
+        "{frames:?}"
+    );
+    let seen = types(&frames.iter().map(support::Frame::data).collect::<Vec<_>>());
+    assert_eq!(seen.first().map(String::as_str), Some("submission.queued"));
+    assert_eq!(
+        seen.last().map(String::as_str),
+        Some("submission.completed")
+    );
+    assert!(seen.contains(&"submission.started".to_owned()), "{seen:?}");
+    for f in &frames {
+        assert_eq!(f.data()["seq"].to_string(), f.field("id").unwrap());
+    }
+    // The session's seq numbers: increasing, with the first turn's events left out.
+    let got = ids(&frames);
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "{got:?}");
+    let log = events(&app, ALICE, sid).await;
+    let expected: Vec<i64> = log
+        .iter()
+        .filter(|e| e["submission_id"] == second)
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(got, expected);
+    assert!(log.iter().any(|e| e["submission_id"] == first));
+    assert!(got[0] > 1);
+
+    // A resume continues with the next of its own events, cursors being the session's seq.
+    let mut resumed = submission_stream(&app, second, Some(got[0])).await;
+    assert_eq!(
+        ids(&resumed.events_until_end(Duration::from_secs(5)).await),
+        got[1..]
+    );
+    // Finished, with nothing of it after the cursor: 204, even though the log goes on.
+    let last = *got.last().unwrap();
+    assert_eq!(
+        submission_stream(&app, second, Some(last)).await.status,
+        204
+    );
+    let first_end = log
+        .iter()
+        .find(|e| e["submission_id"] == first && e["type"] == "submission.completed")
+        .unwrap()["seq"]
+        .as_i64()
+        .unwrap();
+    assert!(first_end < last);
+    assert_eq!(
+        submission_stream(&app, first, Some(first_end)).await.status,
+        204
+    );
+    // Without a cursor a finished submission replays its events and ends.
+    let mut replay = submission_stream(&app, first, None).await;
+    assert_eq!(replay.status, 200);
+    let replayed = replay.events_until_end(Duration::from_secs(5)).await;
+    assert_eq!(
+        replayed.last().unwrap().field("event"),
+        Some("submission.completed")
+    );
+    assert_eq!(*ids(&replayed).last().unwrap(), first_end);
+}
+
+#[tokio::test]
+async fn a_cancelled_queued_submission_stream_ends_with_its_cancel() {
+    let app = app().await;
+    let session = create_session(&app, ALICE, "slow-text-2s").await;
+    let sid = session["id"].as_str().unwrap();
+    submit(&app, ALICE, sid, "a", "one").await;
+    let queued = submit(&app, ALICE, sid, "b", "two").await;
+    let queued = queued["id"].as_str().unwrap();
+    let mut sse = submission_stream(&app, queued, None).await;
+    assert_eq!(sse.status, 200);
+    app.post(
+        ALICE,
+        &format!("/v1/submissions/{queued}/cancel"),
+        json!({}),
+    )
+    .await
+    .ok(200);
+    let frames = sse.events_until_end(Duration::from_secs(10)).await;
+    let seen: Vec<_> = frames.iter().map(|f| f.field("event").unwrap()).collect();
+    assert_eq!(seen, ["submission.queued", "submission.cancelled"]);
+}
+
 // ----- negative controls: each gateway defect changes what the tests above observe -----
 
 #[cfg(feature = "defects")]
@@ -1368,6 +1527,46 @@ mod defects {
             .send(&app, "lease", json!({"worker_id": "w"}), Signing::Unsigned)
             .await;
         assert_eq!(r.status, 201);
+    }
+
+    #[tokio::test]
+    async fn submission_stream_never_ends() {
+        let app = with_defect("submission-stream-never-ends").await;
+        let (_, _, second) = two_finished_turns(&app).await;
+        let mut sse = submission_stream(&app, &second, None).await;
+        assert_eq!(sse.status, 200);
+        let mut last = None;
+        while let Some(f) = sse.next(Duration::from_secs(5)).await {
+            if f.field("event") == Some("submission.completed") {
+                last = f.field("id").map(str::to_owned);
+                break;
+            }
+        }
+        // Past its terminal event the stream stays open, with at most heartbeats.
+        let open_for = tokio::time::Instant::now() + Duration::from_secs(2);
+        while let Ok(more) =
+            tokio::time::timeout_at(open_for, sse.next(Duration::from_secs(3))).await
+        {
+            assert!(
+                more.as_ref().is_some_and(support::Frame::is_comment),
+                "{more:?}"
+            );
+        }
+        let last: i64 = last.expect("the terminal event").parse().unwrap();
+        assert_eq!(
+            submission_stream(&app, &second, Some(last)).await.status,
+            200
+        );
+    }
+
+    #[tokio::test]
+    async fn submission_stream_leaks_other_events() {
+        let app = with_defect("submission-stream-leaks-other-events").await;
+        let (sid, _, second) = two_finished_turns(&app).await;
+        let mut sse = submission_stream(&app, &second, None).await;
+        let first = sse.next(Duration::from_secs(5)).await.expect("an event");
+        assert_eq!(first.field("event"), Some("session.created"));
+        assert_eq!(first.data()["session_id"], sid);
     }
 
     #[tokio::test]

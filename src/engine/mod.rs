@@ -1,5 +1,6 @@
 //! The scenario engine: runs a parsed scenario against a target and says what happened.
 
+mod bridge;
 mod expect;
 mod outcome;
 mod run;

@@ -364,7 +364,9 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    fn prepare(&self, r: &Request) -> Result<Prepared, StepError> {
+    /// The request to send: variables rendered, the body encoded, and bridge requests signed
+    /// (their secret is registered with the sanitizer here).
+    fn prepare(&mut self, r: &Request) -> Result<Prepared, StepError> {
         let path = self.vars.render(&r.path)?;
         let mut query = Vec::new();
         for (k, v) in &r.query {
@@ -399,9 +401,30 @@ impl<'a> Ctx<'a> {
             None
         };
         let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
+        let target = with_query(&path, &query);
+        if let Some(sign) = &r.bridge_signature {
+            let secret = self.vars.render(&sign.secret)?;
+            // The signed target is the one on the wire, including any path prefix of the
+            // base URL, after the URL parser's normalization.
+            let url = reqwest::Url::parse(&format!("{}{target}", self.target.base_url))
+                .map_err(|e| StepError::Error(format!("cannot sign `{target}`: {e}")))?;
+            let on_wire = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_owned(),
+            };
+            let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
+            let body = p_body(&body);
+            let signature =
+                super::bridge::signature(&secret, r.method.as_str(), &on_wire, body, &timestamp);
+            headers.push((super::bridge::TIMESTAMP_HEADER.to_owned(), timestamp));
+            headers.push((super::bridge::SIGNATURE_HEADER.to_owned(), signature));
+            if !self.secrets.contains(&secret) {
+                self.secrets.push(secret);
+            }
+        }
         Ok(Prepared {
             method: r.method,
-            target: with_query(&path, &query),
+            target,
             principal: r.principal,
             headers,
             literal_auth,
@@ -766,6 +789,9 @@ impl<'a> Ctx<'a> {
         exchange.eof_ms = record.eof.map(ms);
         exchange.end = format!("{:?}", record.end);
         let mut framing = Framing::after(resume_after);
+        if s.id_gaps {
+            framing = framing.allowing_gaps();
+        }
         let mut events = Vec::new();
         for timed in &record.items {
             let at_ms = ms(timed.at);
@@ -842,31 +868,27 @@ impl<'a> Ctx<'a> {
                 ));
                 break;
             };
-            if let Some(want) = &check.event
-                && &event.event != want
-            {
-                failures.push(format!(
-                    "event #{i} is `{}`, expected `{want}`",
-                    event.event
-                ));
-            }
-            if let Some(id) = &check.id {
-                let want = self.vars.render(id)?;
-                if event.id.as_deref() != Some(want.as_str()) {
-                    failures.push(format!("event #{i} id {:?}, expected {want:?}", event.id));
+            self.check_event(&format!("event #{i}"), check, event, &mut failures)?;
+        }
+        if !s.each_event.is_empty() {
+            let each = crate::scenario::EventCheck {
+                event: None,
+                id: None,
+                data: s.each_event.clone(),
+            };
+            for (i, event) in events.iter().enumerate() {
+                if event.event != "stream.end" {
+                    self.check_event(&format!("event #{i}"), &each, event, &mut failures)?;
                 }
             }
-            if !check.data.is_empty() {
-                match serde_json::from_str::<Value>(&event.data) {
-                    Ok(data) => {
-                        for c in &check.data {
-                            if let Err(msg) = json_check(c, &data, &self.vars) {
-                                failures.push(format!("event #{i} data {msg}"));
-                            }
-                        }
-                    }
-                    Err(_) => failures.push(format!("event #{i} data is not JSON")),
+        }
+        if let Some(check) = &s.last_event {
+            match events.len().checked_sub(1) {
+                Some(i) => {
+                    let label = format!("last event (#{i})");
+                    self.check_event(&label, check, &events[i], &mut failures)?;
                 }
+                None => failures.push("a last event expected, the stream delivered none".into()),
             }
         }
         if let Some(limit) = heartbeat {
@@ -918,6 +940,40 @@ impl<'a> Ctx<'a> {
             self.vars
                 .captures
                 .insert(name.value.clone(), Value::String(last));
+        }
+        Ok(())
+    }
+
+    /// Adds to `failures` what `event` (called `label` in messages) breaks of `check`.
+    fn check_event(
+        &self,
+        label: &str,
+        check: &crate::scenario::EventCheck,
+        event: &crate::sse::Event,
+        failures: &mut Vec<String>,
+    ) -> Result<(), StepError> {
+        if let Some(want) = &check.event
+            && &event.event != want
+        {
+            failures.push(format!("{label} is `{}`, expected `{want}`", event.event));
+        }
+        if let Some(id) = &check.id {
+            let want = self.vars.render(id)?;
+            if event.id.as_deref() != Some(want.as_str()) {
+                failures.push(format!("{label} id {:?}, expected {want:?}", event.id));
+            }
+        }
+        if !check.data.is_empty() {
+            match serde_json::from_str::<Value>(&event.data) {
+                Ok(data) => {
+                    for c in &check.data {
+                        if let Err(msg) = json_check(c, &data, &self.vars) {
+                            failures.push(format!("{label} data {msg}"));
+                        }
+                    }
+                }
+                Err(_) => failures.push(format!("{label} data is not JSON")),
+            }
         }
         Ok(())
     }
@@ -1352,6 +1408,11 @@ fn with_problem(msg: String, obs: &Observed) -> String {
 }
 
 /// `path?k=v&...` with the values percent-encoded.
+/// The bytes a prepared body sends (none: empty).
+fn p_body(body: &Option<(Vec<u8>, String)>) -> &[u8] {
+    body.as_ref().map_or(&[], |(b, _)| b.as_slice())
+}
+
 fn with_query(path: &str, query: &[(String, String)]) -> String {
     if query.is_empty() {
         return path.to_owned();

@@ -207,6 +207,19 @@ pub struct Request {
     /// Variables taken from the response, usable by later steps as `{{name}}`.
     #[serde(default)]
     pub capture: BTreeMap<String, Located<Capture>>,
+    /// Sign the request as a worker of the private bridge does (protocol §8.8).
+    #[serde(default)]
+    pub bridge_signature: Option<BridgeSignature>,
+}
+
+/// How to sign a bridge request: `X-Sandspec-Timestamp` (now) and `X-Sandspec-Signature` over
+/// the method, the request target as sent, the body and the timestamp.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeSignature {
+    /// The session's bridge secret: a literal (a wrong key, on purpose) or captures marked
+    /// `secret: true`. The engine also registers the value with the evidence sanitizer.
+    pub secret: Template,
 }
 
 /// Where a captured value comes from: exactly one of `json` (a JSON pointer into the body),
@@ -343,6 +356,12 @@ pub struct Sse {
     /// Checks on the received events, in order: the n-th check applies to the n-th event.
     #[serde(default)]
     pub events: Vec<EventCheck>,
+    /// Checks on the data of every received event but `stream.end`.
+    #[serde(default)]
+    pub each_event: Vec<JsonCheck>,
+    /// Checks on the last event received, `stream.end` included.
+    #[serde(default)]
+    pub last_event: Option<EventCheck>,
     /// No more events than `events` lists.
     #[serde(default)]
     pub exact: bool,
@@ -369,6 +388,10 @@ pub struct Sse {
     /// id, and ids increase. On unless set to `false`.
     #[serde(default = "yes")]
     pub strict_framing: bool,
+    /// The stream is a filtered view of a log (SSE-7.6): ids must increase but may skip
+    /// numbers.
+    #[serde(default)]
+    pub id_gaps: bool,
     /// Also read the stream with the `eventsource-client` crate and require the same event
     /// types and ids. On unless set to `false` (for a step where a second concurrent stream
     /// would change the outcome, such as a stream-quota check).

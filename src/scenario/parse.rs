@@ -229,6 +229,8 @@ struct Checker<'a> {
 #[derive(Default, Clone)]
 struct Scope {
     captures: BTreeSet<String>,
+    /// Captures marked `secret: true`.
+    secrets: BTreeSet<String>,
     digests: BTreeSet<String>,
     snapshots: BTreeSet<String>,
 }
@@ -346,7 +348,7 @@ impl Checker<'_> {
                 {
                     self.num(n, scope, ctx);
                 }
-                for ev in &sse.events {
+                for ev in sse.events.iter().chain(&sse.last_event) {
                     if let Some(t) = &ev.id {
                         self.template(t, scope, ctx);
                     }
@@ -354,7 +356,20 @@ impl Checker<'_> {
                         self.json_check(check, scope, ctx);
                     }
                 }
-                if sse.expect_none && !sse.events.is_empty() {
+                for check in &sse.each_event {
+                    self.json_check(check, scope, ctx);
+                }
+                if sse.id_gaps && !sse.strict_framing {
+                    self.err(
+                        sse.path.pos,
+                        "`id_gaps` loosens `strict_framing`, which is off",
+                    );
+                }
+                if sse.expect_none
+                    && (!sse.events.is_empty()
+                        || !sse.each_event.is_empty()
+                        || sse.last_event.is_some())
+                {
                     self.err(sse.path.pos, "`expect_none` contradicts `events`");
                 }
                 if let Some(name) = &sse.capture_last_id {
@@ -459,6 +474,29 @@ impl Checker<'_> {
         if let Some(b) = &r.body_base64 {
             self.base64(b);
         }
+        if let Some(sign) = &r.bridge_signature {
+            self.template(&sign.secret, scope, ctx);
+            for var in sign.secret.vars() {
+                if scope.captures.contains(var) && !scope.secrets.contains(var) {
+                    self.err(
+                        sign.secret.pos,
+                        format!(
+                            "`{var}` signs bridge requests: capture it with `secret: true` so evidence never holds it"
+                        ),
+                    );
+                }
+            }
+            for name in r.headers.keys() {
+                if name.eq_ignore_ascii_case("x-sandspec-timestamp")
+                    || name.eq_ignore_ascii_case("x-sandspec-signature")
+                {
+                    self.err(
+                        r.path.pos,
+                        format!("`bridge_signature` sets `{name}`; do not give it in `headers`"),
+                    );
+                }
+            }
+        }
         if in_parallel {
             if !r.capture.is_empty() || has_expectations(&r.expect) {
                 self.err(
@@ -502,6 +540,11 @@ impl Checker<'_> {
                 );
             }
             self.define_capture(name, Pos::of(capture), scope);
+            if c.secret {
+                scope.secrets.insert(name.clone());
+            } else {
+                scope.secrets.remove(name);
+            }
         }
     }
 

@@ -227,3 +227,47 @@ fn partial_loading_keeps_good_files_and_reports_the_rest() {
     );
     assert!(load_dir(dir.path()).is_err());
 }
+
+#[test]
+fn a_bridge_signing_secret_must_be_a_secret_capture() {
+    let steps = |secret_flag: &str| {
+        header(&format!(
+            "steps:\n  - request:\n      method: GET\n      path: /x\n      capture:\n        key: {{json: /secret{secret_flag}}}\n  - request:\n      method: POST\n      path: /bridge\n      bridge_signature: {{secret: \"{{{{key}}}}\"}}\n"
+        ))
+    };
+    check_err(
+        &steps(""),
+        "bad.yaml:14:34: `key` signs bridge requests: capture it with `secret: true`",
+    );
+    let s = parse_str(Path::new("good.yaml"), &steps(", secret: true")).unwrap();
+    let Step::Request(r) = &s.steps[1] else {
+        panic!("a request")
+    };
+    assert_eq!(r.bridge_signature.as_ref().unwrap().secret.raw, "{{key}}");
+    // A literal wrong key is fine: it is the scenario's own, not a credential of the target.
+    let literal = header(
+        "steps:\n  - request: {method: POST, path: /b, bridge_signature: {secret: not-the-key}}\n",
+    );
+    parse_str(Path::new("good.yaml"), &literal).unwrap();
+}
+
+#[test]
+fn a_signed_request_does_not_also_set_the_signature_headers() {
+    let text = header(
+        "steps:\n  - request: {method: POST, path: /b, headers: {X-Sandspec-Signature: v1=00}, bridge_signature: {secret: some-literal-key}}\n",
+    );
+    check_err(
+        &text,
+        "bad.yaml:6:35: `bridge_signature` sets `X-Sandspec-Signature`",
+    );
+}
+
+#[test]
+fn stream_view_checks_parse_and_contradict_expect_none() {
+    let text = header(
+        "steps:\n  - sse:\n      path: /s\n      id_gaps: true\n      each_event: [{pointer: /k, equals: v}]\n      last_event: {event: done}\n      expect_none: true\n",
+    );
+    check_err(&text, "bad.yaml:7:13: `expect_none` contradicts `events`");
+    let loose = header("steps:\n  - sse: {path: /s, id_gaps: true, strict_framing: false}\n");
+    check_err(&loose, "bad.yaml:6:17: `id_gaps` loosens `strict_framing`");
+}

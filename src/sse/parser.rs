@@ -53,7 +53,8 @@ pub enum Fault {
     MissingId { event: String },
     /// An id that is not a decimal sequence number.
     NonNumericId { id: String },
-    /// An id that does not follow the previous one by exactly 1 (gap or duplicate).
+    /// An id that does not follow the previous one by exactly 1 (gap or duplicate); in a
+    /// filtered view, an id not greater than the previous one.
     NonMonotonicId { previous: u64, id: u64 },
     /// Data split over several `data:` lines where one line of JSON is required.
     MultiLineData { event: String, lines: usize },
@@ -276,12 +277,23 @@ impl Parser {
 pub struct Framing {
     /// The previous id, to check that ids follow each other without gaps or repeats.
     previous: Option<u64>,
+    /// The stream is a filtered view of its log (SSE-7.6): ids must only increase.
+    gaps: bool,
 }
 
 impl Framing {
     /// Starts checking after a resume cursor (the next id must be `after + 1`).
     pub fn after(after: Option<u64>) -> Self {
-        Framing { previous: after }
+        Framing {
+            previous: after,
+            gaps: false,
+        }
+    }
+
+    /// Lets ids skip numbers (a filtered view of a log), while still requiring them to
+    /// increase.
+    pub fn allowing_gaps(self) -> Self {
+        Framing { gaps: true, ..self }
     }
 
     /// Every rule `event` breaks.
@@ -314,7 +326,11 @@ impl Framing {
             return faults;
         };
         if let Some(previous) = self.previous
-            && n != previous + 1
+            && (if self.gaps {
+                n <= previous
+            } else {
+                n != previous + 1
+            })
         {
             faults.push(Fault::NonMonotonicId { previous, id: n });
         }
@@ -515,6 +531,34 @@ mod tests {
             Some(3),
         );
         assert_eq!(faults, vec![]);
+    }
+
+    #[test]
+    fn framing_of_a_filtered_view_allows_gaps_but_not_repeats() {
+        let viewed = |ids: &[&str], after: Option<u64>| {
+            let mut f = Framing::after(after).allowing_gaps();
+            ids.iter()
+                .flat_map(|id| {
+                    let e = Event {
+                        event: "x".into(),
+                        data: format!(r#"{{"seq":{id}}}"#),
+                        data_lines: 1,
+                        id: Some((*id).into()),
+                        last_event_id: String::new(),
+                    };
+                    f.check(&e)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(viewed(&["3", "7", "8"], Some(1)), vec![]);
+        assert_eq!(
+            viewed(&["3", "3"], None),
+            vec![Fault::NonMonotonicId { previous: 3, id: 3 }]
+        );
+        assert_eq!(
+            viewed(&["2"], Some(2)),
+            vec![Fault::NonMonotonicId { previous: 2, id: 2 }]
+        );
     }
 
     #[test]

@@ -451,6 +451,7 @@ pub async fn events(
         stream,
         is_terminal: Box::new(|e| e.kind == "exit"),
         finished,
+        filter: None,
         on_delivered,
     };
     let options = Options {

@@ -1205,7 +1205,7 @@ impl Gateway {
     ) -> GwResult<()> {
         let (provider, local) = self.provider(&sandbox.id)?;
         let created = provider.create(&local, &requested, from_snapshot).await;
-        let _guard = self.lock(&rt, sid).await?;
+        let _guard = self.lock(rt, sid).await?;
         rt.live().creating = false;
         let session = self.session(Scope::System, sid).await?;
         let gone = session.as_ref().is_none_or(|s| s.doc.state == "deleting");

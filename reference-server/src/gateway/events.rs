@@ -1,5 +1,7 @@
-//! The session event log as an SSE stream (§7) and as JSON pages.
+//! The session event log as an SSE stream (§7) and as JSON pages, and one submission's view
+//! of it as an SSE stream.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,14 +13,15 @@ use serde_json::{Value, json};
 
 use crate::api::{ApiError, AppState};
 use crate::defects::Defect;
-use crate::store::{Kind, Scope};
-use crate::stream::sse::{self, Options, SseError, Subject};
+use crate::store::{Kind, Scope, StoreError};
+use crate::stream::sse::{self, EventTest, Finished, Options, SseError, Subject};
 
 use super::core::Gateway;
 use super::http::{Caller, GwError, GwResult};
-use super::model::session_stream;
+use super::model::{SUBMISSION_TERMINAL, session_stream};
 use super::routes::{PathId, query_pairs};
 use super::sessions::owned_session;
+use super::submissions::owned_submission;
 
 pub async fn session_events(
     State(state): State<AppState>,
@@ -40,30 +43,131 @@ pub async fn session_events(
         )
         .await;
     }
-    sse::check_accept(&headers)?;
-    let cursor = sse::parse_cursor(&headers, q.get("after").map(String::as_str))?;
+    let subject = Subject {
+        stream,
+        is_terminal: Box::new(|e| e.kind == "session.deleted"),
+        finished: session_gone(&state, &sid),
+        filter: None,
+        on_delivered: None,
+    };
+    sse_response(&state, &caller, &headers, &q, subject).await
+}
+
+/// The events of the owning session's log that carry this submission's ID, with the log's
+/// own `seq` numbers (so a cursor is valid here and on the session stream); the stream ends
+/// after the submission's terminal event (SES-8.23).
+pub async fn submission_events(
+    State(state): State<AppState>,
+    Extension(gw): Extension<Arc<Gateway>>,
+    caller: Caller,
+    PathId(id): PathId,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> GwResult<Response> {
+    let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
+    let q = query_pairs(query.as_deref());
+    let sid = doc.session_id;
+    let defects = &state.config.defects;
+    let subject = if defects.has(Defect::SubmissionStreamNeverEnds) {
+        // The bug: the session stream's end conditions, with the submission's filter.
+        Subject {
+            stream: session_stream(&sid),
+            is_terminal: Box::new(|e| e.kind == "session.deleted"),
+            finished: session_gone(&state, &sid),
+            filter: Some(of_submission(&id)),
+            on_delivered: None,
+        }
+    } else {
+        let own = of_submission(&id);
+        Subject {
+            stream: session_stream(&sid),
+            is_terminal: Box::new(move |e| own(e) && is_submission_end(&e.kind)),
+            finished: submission_finished(&gw, &sid, &id),
+            filter: (!defects.has(Defect::SubmissionStreamLeaksOtherEvents))
+                .then(|| of_submission(&id)),
+            on_delivered: None,
+        }
+    };
+    sse_response(&state, &caller, &headers, &q, subject).await
+}
+
+/// Events of the submission `id`: those whose data carries its `submission_id`.
+fn of_submission(id: &str) -> EventTest {
+    let id = id.to_owned();
+    Box::new(move |e| e.data.get("submission_id").and_then(Value::as_str) == Some(id.as_str()))
+}
+
+/// `submission.<terminal state>`.
+fn is_submission_end(kind: &str) -> bool {
+    kind.strip_prefix("submission.")
+        .is_some_and(|state| SUBMISSION_TERMINAL.contains(&state))
+}
+
+/// Whether the session is gone (its log ends with `session.deleted`, appended before the
+/// record is removed).
+fn session_gone(state: &AppState, sid: &str) -> Finished {
+    let store = state.store.clone();
+    let sid = sid.to_owned();
+    Box::new(move || {
+        let store = store.clone();
+        let sid = sid.clone();
+        Box::pin(async move {
+            Ok(store
+                .get(Kind::Session, Scope::System, &sid)
+                .await?
+                .is_none())
+        })
+    })
+}
+
+/// Whether the submission is terminal (or gone with its session). Its state is saved a moment
+/// before its terminal event is appended, both under the session's lock: once the state reads
+/// terminal, taking that lock (and letting it go) makes sure the event is in the log, so that
+/// "finished with nothing after the cursor" never hides a terminal event about to be appended.
+fn submission_finished(gw: &Arc<Gateway>, sid: &str, id: &str) -> Finished {
+    let gw = Arc::clone(gw);
+    let sid = sid.to_owned();
+    let id = id.to_owned();
+    Box::new(move || {
+        let (gw, sid, id) = (Arc::clone(&gw), sid.clone(), id.clone());
+        Box::pin(async move {
+            let Some(rec) = gw
+                .state
+                .store
+                .get(Kind::Submission, Scope::System, &id)
+                .await?
+            else {
+                return Ok(true);
+            };
+            if !SUBMISSION_TERMINAL.contains(&rec.state.as_str()) {
+                return Ok(false);
+            }
+            let rt = gw.rt(&sid);
+            drop(
+                gw.lock(&rt, &sid)
+                    .await
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))?,
+            );
+            Ok(true)
+        })
+    })
+}
+
+/// The SSE response for `subject` (§7): Accept, cursor, the principal's stream slot, limits.
+async fn sse_response(
+    state: &AppState,
+    caller: &Caller,
+    headers: &HeaderMap,
+    q: &BTreeMap<String, String>,
+    subject: Subject,
+) -> GwResult<Response> {
+    sse::check_accept(headers)?;
+    let cursor = sse::parse_cursor(headers, q.get("after").map(String::as_str))?;
     let limits = &state.config.limits;
     let slot = state
         .streams
         .try_acquire(&caller.principal, limits.max_streams_per_principal)
         .ok_or(SseError::TooManyStreams { retry_after_s: 1 })?;
-    let store = state.store.clone();
-    let finished_sid = sid.clone();
-    let subject = Subject {
-        stream,
-        is_terminal: Box::new(|e| e.kind == "session.deleted"),
-        finished: Box::new(move || {
-            let store = store.clone();
-            let sid = finished_sid.clone();
-            Box::pin(async move {
-                Ok(store
-                    .get(Kind::Session, Scope::System, &sid)
-                    .await?
-                    .is_none())
-            })
-        }),
-        on_delivered: None,
-    };
     let options = Options {
         heartbeat: Duration::from_secs(limits.heartbeat_interval_s),
         max_duration: Duration::from_secs(limits.max_stream_duration_s),

@@ -120,6 +120,10 @@ pub fn routes(state: &AppState) -> Router<AppState> {
         .route("/v1/submissions/{id}", get(submissions::get))
         .route("/v1/submissions/{id}/cancel", post(submissions::cancel))
         .route("/v1/submissions/{id}/result", get(submissions::result))
+        .route(
+            "/v1/submissions/{id}/events",
+            get(events::submission_events),
+        )
         .route("/v1/operations/{id}", get(submissions::get_operation))
         .route(
             "/v1/operations/{id}/cancel",

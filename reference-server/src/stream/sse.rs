@@ -6,6 +6,10 @@
 //! durable log is its buffer. Only when retention purges events the client has not read yet
 //! does the stream end with `stream.end {reason: "lagging"}`, so nothing is ever skipped
 //! silently. Framing is written by hand so the exact bytes are under our control.
+//!
+//! A stream may be a filtered view of its log (the events of one submission in its session's
+//! log): events the filter leaves out are read and passed over, so the cursor still follows
+//! the log's own gap-free `seq` and ids on the wire increase with gaps (SSE-7.6).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -135,16 +139,23 @@ pub type FinishedCheck = Pin<Box<dyn Future<Output = Result<bool, StoreError>> +
 /// Makes a fresh [`FinishedCheck`] each time it is called.
 pub type Finished = Box<dyn Fn() -> FinishedCheck + Send + Sync>;
 
+/// A test on one event of the log.
+pub type EventTest = Box<dyn Fn(&Event) -> bool + Send + Sync>;
+
 /// What a stream is about: the log to read, when it ends, and what to tell the caller.
 pub struct Subject {
     /// The durable log's key.
     pub stream: String,
-    /// Whether an event is the last one of the subject (the stream ends after it).
-    pub is_terminal: Box<dyn Fn(&Event) -> bool + Send + Sync>,
+    /// Whether an event is the last one of the subject (the stream ends after it). Asked
+    /// only of events the filter lets through.
+    pub is_terminal: EventTest,
     /// Whether the subject has finished (its terminal event is in the log, or it is gone):
-    /// with nothing after the cursor, 204 before the stream starts, and EOF when an idle
-    /// stream finds it so (a subject removed before its terminal event was read).
+    /// with nothing for it after the cursor, 204 before the stream starts, and EOF when an
+    /// idle stream finds it so (a subject removed before its terminal event was read).
     pub finished: Finished,
+    /// The events of the log that belong to this stream; `None` for all of them. The others
+    /// are read and passed over: they move the cursor but are not sent.
+    pub filter: Option<EventTest>,
     /// Called with each event's seq once it is handed to the connection.
     pub on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>>,
 }
@@ -179,7 +190,7 @@ pub async fn respond(
         Some(c) => c,
         None => bounds.purged_through,
     };
-    if finished && bounds.last_seq <= start {
+    if finished && !any_after(store.as_ref(), &subject, start, bounds.last_seq).await? {
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     if cursor.is_some() && options.skip_first_on_resume {
@@ -192,6 +203,7 @@ pub async fn respond(
         stream: subject.stream,
         is_terminal: subject.is_terminal,
         finished: subject.finished,
+        filter: subject.filter,
         on_delivered: subject.on_delivered,
         cursor: start,
         heartbeat_every: options.heartbeat,
@@ -221,15 +233,41 @@ pub async fn respond(
     Ok(response)
 }
 
+/// Whether the log holds an event of the subject after `start` (up to `last_seq`).
+async fn any_after(
+    store: &dyn Store,
+    subject: &Subject,
+    start: i64,
+    last_seq: i64,
+) -> Result<bool, StoreError> {
+    let Some(filter) = &subject.filter else {
+        return Ok(last_seq > start);
+    };
+    let mut after = start;
+    while after < last_seq {
+        let events = store.events_after(&subject.stream, after, BATCH).await?;
+        let Some(last) = events.last() else {
+            break;
+        };
+        if events.iter().any(filter) {
+            return Ok(true);
+        }
+        after = last.seq;
+    }
+    Ok(false)
+}
+
 /// The state of one open stream.
 struct Running {
     store: Arc<dyn Store>,
     wake: watch::Receiver<i64>,
     stream: String,
-    is_terminal: Box<dyn Fn(&Event) -> bool + Send + Sync>,
+    is_terminal: EventTest,
     finished: Finished,
+    filter: Option<EventTest>,
     on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>>,
-    /// The last seq sent (or the resume point): the next event sent is `cursor + 1`.
+    /// The last seq read (or the resume point): the next event read is `cursor + 1`. In a
+    /// filtered view it also moves past events that were not sent.
     cursor: i64,
     heartbeat_every: Duration,
     next_heartbeat: Instant,
@@ -269,8 +307,11 @@ impl Running {
                 }
                 let mut chunk = String::new();
                 for event in &events {
-                    chunk.push_str(&frame(event));
                     self.cursor = event.seq;
+                    if self.filter.as_ref().is_some_and(|keep| !keep(event)) {
+                        continue;
+                    }
+                    chunk.push_str(&frame(event));
                     if let Some(f) = &self.on_delivered {
                         f(event.seq);
                     }
@@ -278,6 +319,15 @@ impl Running {
                         self.done = true;
                         break;
                     }
+                }
+                if chunk.is_empty() {
+                    // Only events of others: the client has heard nothing, so its heartbeat
+                    // is still due on time however busy the log is.
+                    if Instant::now() >= self.next_heartbeat {
+                        self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                        return Some(Bytes::from_static(b": ping\n\n"));
+                    }
+                    continue;
                 }
                 self.next_heartbeat = Instant::now() + self.heartbeat_every;
                 return Some(Bytes::from(chunk));
@@ -395,6 +445,7 @@ mod tests {
                 stream: stream.to_owned(),
                 is_terminal: Box::new(|e| e.kind == "exit"),
                 finished: Box::new(move || Box::pin(async move { Ok(finished) })),
+                filter: None,
                 on_delivered: None,
             }
         }
@@ -512,6 +563,95 @@ mod tests {
                 .unwrap();
             assert_eq!(response.status(), StatusCode::NO_CONTENT);
             assert_eq!(slots.open("p"), 0);
+        }
+
+        /// A view of the events whose data has `"of": "a"`, ending after a's `exit`.
+        fn only_a(finished: bool) -> Subject {
+            let of_a = |e: &Event| e.data["of"] == "a";
+            Subject {
+                is_terminal: Box::new(move |e| e.kind == "exit" && of_a(e)),
+                filter: Some(Box::new(of_a)),
+                ..subject("s", finished)
+            }
+        }
+
+        #[tokio::test]
+        async fn a_filtered_view_skips_other_events_and_ends_after_its_terminal_one() {
+            let log = log().await;
+            for (kind, of) in [
+                ("stdout", "b"),
+                ("stdout", "a"),
+                ("stdout", "b"),
+                ("exit", "b"),
+                ("exit", "a"),
+                ("stdout", "a"),
+            ] {
+                log.append("s", kind, &json!({"of": of})).await.unwrap();
+            }
+            let response = respond(&log, only_a(false), None, slot(), options())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            assert_eq!(
+                body(response).await,
+                "id: 2\nevent: stdout\ndata: {\"of\":\"a\",\"seq\":2}\n\n\
+                 id: 5\nevent: exit\ndata: {\"of\":\"a\",\"seq\":5}\n\n"
+            );
+        }
+
+        #[tokio::test]
+        async fn a_finished_view_with_only_other_events_after_the_cursor_is_204() {
+            let log = log().await;
+            for of in ["a", "b", "b"] {
+                log.append("s", "exit", &json!({"of": of})).await.unwrap();
+            }
+            let after_own = respond(&log, only_a(true), Some(1), slot(), options())
+                .await
+                .unwrap();
+            assert_eq!(after_own.status(), StatusCode::NO_CONTENT);
+            // The same cursor on the whole log still has events to send.
+            let whole = respond(&log, subject("s", true), Some(1), slot(), options())
+                .await
+                .unwrap();
+            assert_eq!(whole.status(), StatusCode::OK);
+            let before_own = respond(&log, only_a(true), Some(0), slot(), options())
+                .await
+                .unwrap();
+            assert_eq!(
+                body(before_own).await,
+                "id: 1\nevent: exit\ndata: {\"of\":\"a\",\"seq\":1}\n\n"
+            );
+        }
+
+        #[tokio::test]
+        async fn other_events_do_not_hold_back_heartbeats_and_a_resume_continues_after_them() {
+            let log = log().await;
+            let mut options = options();
+            options.heartbeat = Duration::from_millis(100);
+            options.max_duration = Duration::from_millis(1000);
+            let response = respond(&log, only_a(false), None, slot(), options)
+                .await
+                .unwrap();
+            let writer = log.clone();
+            tokio::spawn(async move {
+                for _ in 0..12 {
+                    writer
+                        .append("s", "stdout", &json!({"of": "b"}))
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                }
+            });
+            let text = body(response).await;
+            assert!(!text.contains("id:"), "{text}");
+            assert!(text.matches(": ping").count() >= 4, "{text}");
+            // The resume point is past the other events read, not the (empty) view's start.
+            assert!(
+                text.ends_with(
+                    "event: stream.end\ndata: {\"reason\":\"max_duration\",\"resume_after\":12}\n\n"
+                ),
+                "{text}"
+            );
         }
 
         #[tokio::test]
