@@ -365,9 +365,16 @@ pub async fn run(env: WorkerEnv) -> Result<(), WorkerError> {
                 });
             }
             (204, _) => {
+                // Nothing to take now: ask again after a pause, or at once when a turn of
+                // this worker ends (the queue's next turn can start then).
                 tokio::select! {
                     () = tokio::time::sleep(IDLE_POLL) => {}
                     () = lost.cancelled() => {}
+                    Some(done) = turns.join_next(), if !turns.is_empty() => {
+                        if let Ok(Err(WorkerError::LeaseLost)) = done {
+                            return Err(WorkerError::LeaseLost);
+                        }
+                    }
                 }
             }
             (403, _) => return Err(WorkerError::LeaseLost),
