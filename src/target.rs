@@ -420,6 +420,8 @@ pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "max_sandboxes_per_principal=20",
     "--retention",
     "result_s=3",
+    "--retention",
+    "events_s=20",
 ];
 
 /// A running reference server child process; stopped when dropped.

@@ -84,6 +84,23 @@ pub enum Defect {
     SubmissionStreamNeverEnds,
     /// A submission's event stream also carries the session's other events.
     SubmissionStreamLeaksOtherEvents,
+    /// A lease nobody renews never expires: its turn stays `running` forever.
+    LeaseNeverExpires,
+    /// A new lease leaves the turn running under the old generation `running`.
+    NewLeaseKeepsRunningTurn,
+    /// `on_uncertain: continue` is ignored: the session pauses anyway.
+    ContinuePausesAnyway,
+    /// The per-principal stream quota is counted but never enforced.
+    StreamQuotaUnenforced,
+    /// A stream's slot is released only when the stream ends, not when the client closes it.
+    StreamSlotLeakedOnClose,
+    /// A submit beyond `limits.max_queue_depth` queued submissions is accepted.
+    QueueLimitUnenforced,
+    /// A submit to a session that is being deleted is accepted and queued.
+    SubmitToDeletingAccepted,
+    /// A cursor older than the retained log is answered from the oldest retained event
+    /// instead of 410 `cursor_expired`.
+    ExpiredCursorSkips,
 }
 
 impl Defect {
@@ -124,6 +141,14 @@ impl Defect {
         Defect::OperationCancelIgnored,
         Defect::SubmissionStreamNeverEnds,
         Defect::SubmissionStreamLeaksOtherEvents,
+        Defect::LeaseNeverExpires,
+        Defect::NewLeaseKeepsRunningTurn,
+        Defect::ContinuePausesAnyway,
+        Defect::StreamQuotaUnenforced,
+        Defect::StreamSlotLeakedOnClose,
+        Defect::QueueLimitUnenforced,
+        Defect::SubmitToDeletingAccepted,
+        Defect::ExpiredCursorSkips,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -164,6 +189,14 @@ impl Defect {
             Defect::OperationCancelIgnored => "operation-cancel-ignored",
             Defect::SubmissionStreamNeverEnds => "submission-stream-never-ends",
             Defect::SubmissionStreamLeaksOtherEvents => "submission-stream-leaks-other-events",
+            Defect::LeaseNeverExpires => "lease-never-expires",
+            Defect::NewLeaseKeepsRunningTurn => "new-lease-keeps-running-turn",
+            Defect::ContinuePausesAnyway => "continue-pauses-anyway",
+            Defect::StreamQuotaUnenforced => "stream-quota-unenforced",
+            Defect::StreamSlotLeakedOnClose => "stream-slot-leaked-on-close",
+            Defect::QueueLimitUnenforced => "queue-limit-unenforced",
+            Defect::SubmitToDeletingAccepted => "submit-to-deleting-accepted",
+            Defect::ExpiredCursorSkips => "expired-cursor-skips",
         }
     }
 
@@ -214,6 +247,18 @@ impl Defect {
             }
             Defect::SubmissionStreamLeaksOtherEvents => {
                 "a submission stream carries other submissions' events"
+            }
+            Defect::LeaseNeverExpires => "a lease that is not renewed never expires",
+            Defect::NewLeaseKeepsRunningTurn => {
+                "a new lease leaves the old generation's turn running"
+            }
+            Defect::ContinuePausesAnyway => "on_uncertain: continue pauses the session anyway",
+            Defect::StreamQuotaUnenforced => "the per-principal stream quota is not enforced",
+            Defect::StreamSlotLeakedOnClose => "a stream closed by its client keeps its slot",
+            Defect::QueueLimitUnenforced => "submits beyond the queue depth are accepted",
+            Defect::SubmitToDeletingAccepted => "a submit to a deleting session is accepted",
+            Defect::ExpiredCursorSkips => {
+                "an expired cursor resumes at the oldest retained event instead of 410"
             }
         }
     }

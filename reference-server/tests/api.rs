@@ -1723,6 +1723,58 @@ mod defects {
         assert_eq!(out["stdout"], "");
         assert_eq!(out["complete"], false);
     }
+
+    /// A sandbox with a process that runs for a minute; its event stream path.
+    async fn long_stream(app: &TestApp) -> String {
+        let id = app.create_sandbox(ALICE, json!({})).await["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let p = app.start(ALICE, &id, &["sleep", "60"]).await;
+        format!("/v1/processes/{}/events", p["id"].as_str().unwrap())
+    }
+
+    #[tokio::test]
+    async fn stream_quota_unenforced() {
+        let defects = Defects::parse(["stream-quota-unenforced"]).unwrap();
+        let app = spawn_app(move |c| {
+            c.defects = defects;
+            c.limits.max_streams_per_principal = 1;
+        })
+        .await;
+        let path = long_stream(&app).await;
+        let first = RawSse::open(&app, &path, ALICE, &sse_headers()).await;
+        assert_eq!(first.status, 200);
+        let second = RawSse::open(&app, &path, ALICE, &sse_headers()).await;
+        assert_eq!(
+            second.status, 200,
+            "the defect grants a stream beyond the quota"
+        );
+    }
+
+    #[tokio::test]
+    async fn stream_slot_leaked_on_close() {
+        let defects = Defects::parse(["stream-slot-leaked-on-close"]).unwrap();
+        let app = spawn_app(move |c| {
+            c.defects = defects;
+            c.limits.max_streams_per_principal = 1;
+            c.limits.heartbeat_interval_s = 1;
+        })
+        .await;
+        let path = long_stream(&app).await;
+        let held = RawSse::open(&app, &path, ALICE, &sse_headers()).await;
+        assert_eq!(held.status, 200);
+        drop(held);
+        // Heartbeats make the server notice the closed connection within a second or two;
+        // the slot stays taken.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        app.send(
+            app.request(Some(ALICE), Method::GET, &path)
+                .header("Accept", "text/event-stream"),
+        )
+        .await
+        .problem(429, "too_many_streams");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

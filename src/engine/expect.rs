@@ -123,11 +123,7 @@ pub fn check_response(e: &Expect, obs: &Observed, vars: &Vars<'_>) -> Vec<String
             }
         }
     }
-    for h in &e.headers {
-        if let Err(msg) = header_check(h, &obs.headers, vars) {
-            failures.push(msg);
-        }
-    }
+    failures.extend(check_headers(&e.headers, obs, vars));
     if let Some(t) = &e.body_text {
         match vars.render(t) {
             Ok(want) if want.as_bytes() == obs.body.as_ref() => {}
@@ -285,6 +281,14 @@ fn contains(item: &Value, want: &Value) -> bool {
             .all(|(k, w)| got.get(k).is_some_and(|g| contains(g, w))),
         _ => json_eq(item, want),
     }
+}
+
+/// Every failed header check of `checks` against `obs`.
+pub fn check_headers(checks: &[HeaderCheck], obs: &Observed, vars: &Vars<'_>) -> Vec<String> {
+    checks
+        .iter()
+        .filter_map(|h| header_check(h, &obs.headers, vars).err())
+        .collect()
 }
 
 fn header_check(

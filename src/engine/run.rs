@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::expect::{Observed, capture, check_response, json_check, problem_code, status_ok};
+use super::expect::{
+    Observed, capture, check_headers, check_response, json_check, problem_code, status_ok,
+};
 use super::outcome::Outcome;
 use super::transcript::{
     Body, Credential, Entry, Frame, HttpExchange, Note, SseExchange, record_headers,
@@ -1245,55 +1247,7 @@ impl<'a> Ctx<'a> {
             }
             self.transcript.push(Entry::Http(exchange));
         }
-        let keys: Vec<(u16, Option<String>)> = observed
-            .iter()
-            .map(|o| (o.status, problem_code(o)))
-            .collect();
-        let matches = |t: &crate::scenario::Tally, k: &(u16, Option<String>)| {
-            t.status == k.0 && t.code.as_ref().is_none_or(|c| Some(c) == k.1.as_ref())
-        };
-        let mut counted = vec![false; keys.len()];
-        let mut failures = Vec::new();
-        for tally in p.expect.iter().filter(|t| !t.rest) {
-            let want = tally
-                .exactly
-                .as_ref()
-                .map(|n| self.vars.num(n))
-                .transpose()?
-                .unwrap_or(0);
-            let mut got = 0i64;
-            for (i, k) in keys.iter().enumerate() {
-                if !counted[i] && matches(tally, k) {
-                    counted[i] = true;
-                    got += 1;
-                }
-            }
-            if got != want {
-                failures.push(format!(
-                    "{got} responses with status {}{}, expected {want}",
-                    tally.status,
-                    tally
-                        .code
-                        .as_ref()
-                        .map(|c| format!(" {c}"))
-                        .unwrap_or_default()
-                ));
-            }
-        }
-        let rest = p.expect.iter().find(|t| t.rest);
-        for (i, k) in keys.iter().enumerate() {
-            if counted[i] {
-                continue;
-            }
-            match rest {
-                Some(t) if matches(t, k) => {}
-                _ => failures.push(format!(
-                    "unexpected response: status {}{}",
-                    k.0,
-                    k.1.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
-                )),
-            }
-        }
+        let failures = judge_tallies(&p.expect, &observed, &self.vars)?;
         if failures.is_empty() {
             Ok(())
         } else {
@@ -1399,6 +1353,76 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// Judges the responses of a `parallel` step against its tallies: each `exactly` tally must
+/// count exactly that many responses (status, and `code` when given), the `rest` tally takes
+/// every response not counted by another, and every response a tally counts must pass its
+/// header checks. Returns the failures.
+fn judge_tallies(
+    tallies: &[crate::scenario::Tally],
+    observed: &[Observed],
+    vars: &Vars<'_>,
+) -> Result<Vec<String>, StepError> {
+    let keys: Vec<(u16, Option<String>)> = observed
+        .iter()
+        .map(|o| (o.status, problem_code(o)))
+        .collect();
+    let matches = |t: &crate::scenario::Tally, k: &(u16, Option<String>)| {
+        t.status == k.0 && t.code.as_ref().is_none_or(|c| Some(c) == k.1.as_ref())
+    };
+    let describe = |t: &crate::scenario::Tally| {
+        format!(
+            "status {}{}",
+            t.status,
+            t.code.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
+        )
+    };
+    // Which tally counted each response.
+    let mut counted: Vec<Option<usize>> = vec![None; keys.len()];
+    let mut failures = Vec::new();
+    for (ti, tally) in tallies.iter().enumerate().filter(|(_, t)| !t.rest) {
+        let want = tally
+            .exactly
+            .as_ref()
+            .map(|n| vars.num(n))
+            .transpose()?
+            .unwrap_or(0);
+        let mut got = 0i64;
+        for (i, k) in keys.iter().enumerate() {
+            if counted[i].is_none() && matches(tally, k) {
+                counted[i] = Some(ti);
+                got += 1;
+            }
+        }
+        if got != want {
+            failures.push(format!(
+                "{got} responses with {}, expected {want}",
+                describe(tally)
+            ));
+        }
+    }
+    let rest = tallies.iter().position(|t| t.rest);
+    for (i, k) in keys.iter().enumerate() {
+        if counted[i].is_some() {
+            continue;
+        }
+        match rest {
+            Some(ti) if matches(&tallies[ti], k) => counted[i] = Some(ti),
+            _ => failures.push(format!(
+                "unexpected response: status {}{}",
+                k.0,
+                k.1.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
+            )),
+        }
+    }
+    for (i, obs) in observed.iter().enumerate() {
+        let Some(ti) = counted[i] else { continue };
+        for msg in check_headers(&tallies[ti].headers, obs, vars) {
+            failures.push(format!("response #{i} ({}): {msg}", describe(&tallies[ti])));
+        }
+    }
+    Ok(failures)
+}
+
 /// A status mismatch message, with the problem code when the response has one.
 fn with_problem(msg: String, obs: &Observed) -> String {
     match problem_code(obs) {
@@ -1429,6 +1453,72 @@ fn with_query(path: &str, query: &[(String, String)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn observed(status: u16, code: Option<&str>, retry_after: Option<&str>) -> Observed {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(v) = retry_after {
+            headers.insert("retry-after", v.parse().unwrap());
+        }
+        let body = match code {
+            Some(code) => {
+                headers.insert(
+                    reqwest::header::CONTENT_TYPE,
+                    "application/problem+json".parse().unwrap(),
+                );
+                serde_json::json!({"status": status, "code": code}).to_string()
+            }
+            None => String::new(),
+        };
+        Observed {
+            status,
+            headers,
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn tallies_count_statuses_and_check_headers_of_what_they_count() {
+        let caps = crate::target::Capabilities::from_json(serde_json::json!({
+            "providers": [{"name": "local", "default": true}],
+            "features": [],
+            "limits": {"max_streams_per_principal": 2},
+            "retention": {}
+        }))
+        .unwrap();
+        let vars = Vars::new("run", &caps, "canary");
+        let tallies: Vec<crate::scenario::Tally> = serde_saphyr::from_str(
+            "- {status: 200, exactly: limits.max_streams_per_principal}\n\
+             - {status: 429, code: too_many_streams, rest: true, headers: [{name: Retry-After, matches: '^[0-9]+$'}]}\n",
+        )
+        .unwrap();
+        let good = [
+            observed(200, None, None),
+            observed(429, Some("too_many_streams"), Some("1")),
+            observed(200, None, None),
+        ];
+        assert!(judge_tallies(&tallies, &good, &vars).unwrap().is_empty());
+        // A 429 without Retry-After fails its tally's header check.
+        let bare = [
+            observed(200, None, None),
+            observed(200, None, None),
+            observed(429, Some("too_many_streams"), None),
+        ];
+        let failures = judge_tallies(&tallies, &bare, &vars).unwrap();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(
+            failures[0]
+                .starts_with("response #2 (status 429 too_many_streams): header retry-after"),
+            "{failures:?}"
+        );
+        // One 200 too many (a quota not enforced) and none refused.
+        let over = [
+            observed(200, None, None),
+            observed(200, None, None),
+            observed(200, None, None),
+        ];
+        let failures = judge_tallies(&tallies, &over, &vars).unwrap();
+        assert_eq!(failures, ["3 responses with status 200, expected 2"]);
+    }
 
     #[test]
     fn query_strings_are_encoded() {

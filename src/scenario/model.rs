@@ -492,6 +492,10 @@ pub struct Tally {
     /// Every response not counted by another tally.
     #[serde(default)]
     pub rest: bool,
+    /// Checks every response this tally counts must also pass (e.g. `Retry-After` on each
+    /// 429).
+    #[serde(default)]
+    pub headers: Vec<HeaderCheck>,
 }
 
 /// A bounded pause. Prefer `poll`.

@@ -425,6 +425,9 @@ impl Checker<'_> {
                     );
                 }
                 for t in &p.expect {
+                    for h in &t.headers {
+                        self.header_check(h, scope, ctx);
+                    }
                     match (&t.exactly, t.rest) {
                         (Some(n), false) => self.num(n, scope, ctx),
                         (None, true) => {}

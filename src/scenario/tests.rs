@@ -271,3 +271,26 @@ fn stream_view_checks_parse_and_contradict_expect_none() {
     let loose = header("steps:\n  - sse: {path: /s, id_gaps: true, strict_framing: false}\n");
     check_err(&loose, "bad.yaml:6:17: `id_gaps` loosens `strict_framing`");
 }
+
+#[test]
+fn parallel_tallies_take_header_checks() {
+    let good = header(
+        "steps:\n  - parallel:\n      repeat: 3\n      request: {method: GET, path: /s, headers: {Idempotency-Key: \"{{uuid}}\"}}\n      expect:\n        - {status: 200, exactly: 2}\n        - {status: 429, code: too_many_streams, rest: true, headers: [{name: Retry-After, present: true}]}\n",
+    );
+    let s = parse_str(Path::new("good.yaml"), &good).unwrap();
+    let Step::Parallel(p) = &s.steps[0] else {
+        panic!("a parallel step")
+    };
+    assert_eq!(p.expect[1].headers[0].name.value, "Retry-After");
+    let two_checks = header(
+        "steps:\n  - parallel:\n      repeat: 2\n      request: {method: GET, path: /s}\n      expect:\n        - {status: 429, rest: true, headers: [{name: Retry-After, present: true, absent: true}]}\n",
+    );
+    check_err(
+        &two_checks,
+        "bad.yaml:10:54: a header check gives exactly one of present, absent, equals, matches",
+    );
+    let unknown = header(
+        "steps:\n  - parallel:\n      repeat: 2\n      request: {method: GET, path: /s}\n      expect:\n        - {status: 429, rest: true, headers: [{name: X, equals: \"{{nope}}\"}]}\n",
+    );
+    check_err(&unknown, "bad.yaml:10:65: unknown variable `nope`");
+}

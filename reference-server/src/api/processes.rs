@@ -459,6 +459,8 @@ pub async fn events(
         max_duration: std::time::Duration::from_secs(limits.max_stream_duration_s),
         shutdown: state.shutdown.clone(),
         skip_first_on_resume: state.config.defects.has(Defect::SseResumeDropsEvent),
+        expired_cursor_skips: state.config.defects.has(Defect::ExpiredCursorSkips),
+        leak_slot_on_close: state.config.defects.has(Defect::StreamSlotLeakedOnClose),
     };
     Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
 }

@@ -66,13 +66,18 @@ impl AppState {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let proxy = Client::builder(TokioExecutor::new()).build(connector);
+        let streams = Arc::new(StreamSlots::new(
+            config
+                .defects
+                .has(crate::defects::Defect::StreamQuotaUnenforced),
+        ));
         AppState(Arc::new(Inner {
             config,
             store,
             log,
             providers,
             page_key,
-            streams: Arc::default(),
+            streams,
             create_lock: tokio::sync::Mutex::new(()),
             local_addr,
             shutdown,

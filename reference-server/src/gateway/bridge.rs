@@ -138,7 +138,9 @@ pub async fn take_lease(
         return Err(GwError::session_not_active());
     }
     // A new generation: a turn running under an older one has an unknown outcome.
-    if gw.active_submission(&sid).await?.is_some() {
+    if gw.active_submission(&sid).await?.is_some()
+        && !state.config.defects.has(Defect::NewLeaseKeepsRunningTurn)
+    {
         gw.make_uncertain(&mut loaded, "worker_lost").await?;
     }
     let generation = loaded.doc.lease_generation.unwrap_or(0) + 1;

@@ -557,7 +557,9 @@ impl Gateway {
         sub.outcome = Some(outcome.clone());
         self.end_submission(&mut rec, &mut sub, "uncertain", json!({"outcome": outcome}))
             .await?;
-        if loaded.doc.on_uncertain == "pause" && loaded.doc.state == "active" {
+        let pause = loaded.doc.on_uncertain == "pause"
+            || self.state.config.defects.has(Defect::ContinuePausesAnyway);
+        if pause && loaded.doc.state == "active" {
             loaded.doc.state = "paused".into();
             loaded.doc.pause_reason = Some("uncertain_submission".into());
             self.save_session(loaded).await?;
@@ -946,7 +948,8 @@ impl Gateway {
             return self.drive_cleanup(&mut loaded, &rt).await;
         }
         // A lease not renewed in time.
-        let expired = rt.live().lease_expires.is_some_and(|t| Instant::now() >= t);
+        let expired = rt.live().lease_expires.is_some_and(|t| Instant::now() >= t)
+            && !self.state.config.defects.has(Defect::LeaseNeverExpires);
         if expired && !loaded.doc.lease_revoked {
             if self.active_submission(sid).await?.is_some() {
                 self.make_uncertain(&mut loaded, "lease_expired").await?;

@@ -173,6 +173,8 @@ async fn sse_response(
         max_duration: Duration::from_secs(limits.max_stream_duration_s),
         shutdown: state.shutdown.clone(),
         skip_first_on_resume: state.config.defects.has(Defect::SessionStreamDropsOnResume),
+        expired_cursor_skips: state.config.defects.has(Defect::ExpiredCursorSkips),
+        leak_slot_on_close: state.config.defects.has(Defect::StreamSlotLeakedOnClose),
     };
     Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
 }
@@ -207,8 +209,13 @@ async fn json_page(
             })?,
     };
     let bounds = state.store.stream_bounds(stream).await?;
+    let mut after = after;
     if after < bounds.purged_through {
-        return Err(ApiError::CursorExpired.into());
+        if !state.config.defects.has(Defect::ExpiredCursorSkips) {
+            return Err(ApiError::CursorExpired.into());
+        }
+        // The defect: the page silently starts at the oldest retained event.
+        after = bounds.purged_through;
     }
     let mut events = state.store.events_after(stream, after, limit + 1).await?;
     let has_more = events.len() > limit as usize;

@@ -56,14 +56,25 @@ pub enum SseError {
 #[derive(Debug, Default)]
 pub struct StreamSlots {
     open: Mutex<HashMap<String, u32>>,
+    /// The `stream-quota-unenforced` defect: slots are counted but never refused.
+    unenforced: bool,
 }
 
 impl StreamSlots {
+    /// Slots that refuse a principal's stream beyond its limit, unless `unenforced` (the
+    /// `stream-quota-unenforced` defect).
+    pub fn new(unenforced: bool) -> Self {
+        Self {
+            open: Mutex::default(),
+            unenforced,
+        }
+    }
+
     /// A slot for `principal`, or `None` when it already holds `limit` streams.
     pub fn try_acquire(self: &Arc<Self>, principal: &str, limit: u32) -> Option<StreamSlot> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let count = open.entry(principal.to_owned()).or_insert(0);
-        if *count >= limit {
+        if *count >= limit && !self.unenforced {
             return None;
         }
         *count += 1;
@@ -168,6 +179,12 @@ pub struct Options {
     pub shutdown: CancellationToken,
     /// When set, a resumed stream starts one event late (the `sse-resume-drops-event` defect).
     pub skip_first_on_resume: bool,
+    /// When set, a cursor older than the retained log starts at the oldest retained event
+    /// instead of being refused (the `expired-cursor-skips` defect).
+    pub expired_cursor_skips: bool,
+    /// When set, a stream the client closes before its end keeps its slot (the
+    /// `stream-slot-leaked-on-close` defect).
+    pub leak_slot_on_close: bool,
 }
 
 /// Builds the response: 204 when the subject finished and nothing follows the cursor,
@@ -186,7 +203,13 @@ pub async fn respond(
     let finished = (subject.finished)().await?;
     let bounds = store.stream_bounds(&subject.stream).await?;
     let mut start = match cursor {
-        Some(c) if c < bounds.purged_through => return Err(SseError::CursorExpired),
+        Some(c) if c < bounds.purged_through => {
+            if !options.expired_cursor_skips {
+                return Err(SseError::CursorExpired);
+            }
+            // The defect: the events between the cursor and the retained log are skipped.
+            bounds.purged_through
+        }
         Some(c) => c,
         None => bounds.purged_through,
     };
@@ -213,10 +236,15 @@ pub async fn respond(
         deadline: now + options.max_duration,
         shutdown: options.shutdown,
         done: false,
-        _slot: slot,
+        ended: false,
+        leak_slot_on_close: options.leak_slot_on_close,
+        slot: Some(slot),
     };
     let body = futures_util::stream::unfold(state, |mut s| async move {
-        let chunk = s.next_chunk().await?;
+        let Some(chunk) = s.next_chunk().await else {
+            s.mark_ended();
+            return None;
+        };
         Some((Ok::<_, std::convert::Infallible>(chunk), s))
     });
     let mut response = Response::new(Body::from_stream(body));
@@ -274,11 +302,34 @@ struct Running {
     deadline: Instant,
     shutdown: CancellationToken,
     done: bool,
-    /// Holds the principal's stream slot until the body is dropped.
-    _slot: StreamSlot,
+    /// The body has yielded its last chunk (as opposed to being dropped by a client that
+    /// went away).
+    ended: bool,
+    /// The `stream-slot-leaked-on-close` defect.
+    leak_slot_on_close: bool,
+    /// Holds the principal's stream slot until the body is dropped, whether the stream
+    /// ended or the client closed it.
+    slot: Option<StreamSlot>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.leak_slot_on_close
+            && !self.ended
+            && let Some(slot) = self.slot.take()
+        {
+            // The defect: only the stream's own end gives the slot back.
+            std::mem::forget(slot);
+        }
+    }
 }
 
 impl Running {
+    /// The body has yielded its last chunk: the stream ended on its own.
+    fn mark_ended(&mut self) {
+        self.ended = true;
+    }
+
     /// The next bytes to write, or `None` at the end of the stream.
     async fn next_chunk(&mut self) -> Option<Bytes> {
         loop {
@@ -456,6 +507,8 @@ mod tests {
                 max_duration: Duration::from_secs(30),
                 shutdown: CancellationToken::new(),
                 skip_first_on_resume: false,
+                expired_cursor_skips: false,
+                leak_slot_on_close: false,
             }
         }
 
@@ -670,6 +723,75 @@ mod tests {
                 "id: 1\nevent: stdout\ndata: {\"data\":\"x\",\"seq\":1}\n\n\
                  event: stream.end\ndata: {\"reason\":\"max_duration\",\"resume_after\":1}\n\n"
             );
+        }
+
+        /// The deliberate defects of this module change what the tests above observe.
+        mod defects {
+            use super::*;
+
+            #[test]
+            fn stream_quota_unenforced_never_refuses_a_slot() {
+                let slots = Arc::new(StreamSlots::new(true));
+                let _a = slots.try_acquire("alice", 1).unwrap();
+                let _b = slots
+                    .try_acquire("alice", 1)
+                    .expect("the defect grants a slot beyond the limit");
+                assert_eq!(slots.open("alice"), 2);
+            }
+
+            #[tokio::test]
+            async fn stream_slot_leaked_on_close_keeps_a_closed_streams_slot() {
+                let log = log().await;
+                log.append("s", "stdout", &json!({"data": "x"}))
+                    .await
+                    .unwrap();
+                for leak in [false, true] {
+                    let slots = Arc::new(StreamSlots::default());
+                    let mut options = options();
+                    options.leak_slot_on_close = leak;
+                    let held = slots.try_acquire("p", 1).unwrap();
+                    let response = respond(&log, subject("s", false), None, held, options)
+                        .await
+                        .unwrap();
+                    assert_eq!(slots.open("p"), 1);
+                    // The client goes away before the stream ends.
+                    drop(response);
+                    assert_eq!(slots.open("p"), u32::from(leak), "leak: {leak}");
+                }
+                // A stream that ends on its own gives its slot back even with the defect.
+                log.append("s", "exit", &json!({})).await.unwrap();
+                let slots = Arc::new(StreamSlots::default());
+                let mut options = options();
+                options.leak_slot_on_close = true;
+                let held = slots.try_acquire("p", 1).unwrap();
+                let response = respond(&log, subject("s", false), None, held, options)
+                    .await
+                    .unwrap();
+                assert!(
+                    body(response)
+                        .await
+                        .ends_with("event: exit\ndata: {\"seq\":2}\n\n")
+                );
+                assert_eq!(slots.open("p"), 0);
+            }
+
+            #[tokio::test]
+            async fn expired_cursor_skips_answers_from_the_retained_log() {
+                let log = log().await;
+                for _ in 0..3 {
+                    log.append("s", "stdout", &json!({"data": "x"}))
+                        .await
+                        .unwrap();
+                }
+                log.append("s", "exit", &json!({})).await.unwrap();
+                log.store().purge_events("s", 2).await.unwrap();
+                let mut options = options();
+                options.expired_cursor_skips = true;
+                let skipped = respond(&log, subject("s", true), Some(1), slot(), options)
+                    .await
+                    .expect("the defect does not refuse the expired cursor");
+                assert!(body(skipped).await.starts_with("id: 3\n"));
+            }
         }
     }
 }
