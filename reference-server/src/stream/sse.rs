@@ -21,7 +21,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -221,7 +221,7 @@ pub async fn respond(
     }
     let now = Instant::now();
     let state = Running {
-        store,
+        log: log.clone(),
         wake,
         stream: subject.stream,
         is_terminal: subject.is_terminal,
@@ -287,7 +287,7 @@ async fn any_after(
 
 /// The state of one open stream.
 struct Running {
-    store: Arc<dyn Store>,
+    log: EventLog,
     wake: watch::Receiver<i64>,
     stream: String,
     is_terminal: EventTest,
@@ -339,11 +339,7 @@ impl Running {
             if Instant::now() >= self.deadline {
                 return Some(self.end("max_duration"));
             }
-            let events = match self
-                .store
-                .events_after(&self.stream, self.cursor, BATCH)
-                .await
-            {
+            let events = match self.log.read_after(&self.stream, self.cursor, BATCH).await {
                 Ok(events) => events,
                 Err(e) => {
                     // The client resumes from its last id once the store is back.
@@ -352,17 +348,19 @@ impl Running {
                 }
             };
             if let Some(first) = events.first() {
-                if first.seq != self.cursor + 1 {
+                if first.event.seq != self.cursor + 1 {
                     // Retention purged events this client had not read yet.
                     return Some(self.end("lagging"));
                 }
-                let mut chunk = String::new();
-                for event in &events {
+                // Frames are rendered once per event and shared by every stream that sends it.
+                let mut chunk = Vec::new();
+                for framed in &events {
+                    let event = &framed.event;
                     self.cursor = event.seq;
                     if self.filter.as_ref().is_some_and(|keep| !keep(event)) {
                         continue;
                     }
-                    chunk.push_str(&frame(event));
+                    chunk.extend_from_slice(&framed.frame);
                     if let Some(f) = &self.on_delivered {
                         f(event.seq);
                     }
@@ -382,6 +380,12 @@ impl Running {
                 }
                 self.next_heartbeat = Instant::now() + self.heartbeat_every;
                 return Some(Bytes::from(chunk));
+            }
+            if Instant::now() >= self.next_heartbeat {
+                // Due already (the opening heartbeat): written now rather than through a timer,
+                // which would round the deadline up to its next tick.
+                self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                return Some(Bytes::from_static(b": ping\n\n"));
             }
             tokio::select! {
                 changed = self.wake.changed() => {
@@ -411,7 +415,7 @@ impl Running {
             Ok(true) => {}
             _ => return false,
         }
-        matches!(self.store.events_after(&self.stream, self.cursor, 1).await, Ok(events) if events.is_empty())
+        matches!(self.log.store().events_after(&self.stream, self.cursor, 1).await, Ok(events) if events.is_empty())
     }
 
     fn end(&mut self, reason: &str) -> Bytes {
@@ -421,26 +425,10 @@ impl Running {
     }
 }
 
-/// One event's frame: `id`, `event` and a one-line JSON `data` carrying `seq`.
-fn frame(event: &Event) -> String {
-    let data = match &event.data {
-        Value::Object(map) => {
-            let mut map = map.clone();
-            map.insert("seq".into(), Value::from(event.seq));
-            Value::Object(map)
-        }
-        other => json!({"seq": event.seq, "data": other}),
-    };
-    // serde_json never writes a raw newline, so `data` is one line.
-    format!(
-        "id: {}\nevent: {}\ndata: {}\n\n",
-        event.seq, event.kind, data
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stream::frame;
 
     #[test]
     fn frame_is_one_line_json_with_seq() {
