@@ -64,6 +64,10 @@ pub struct RunArgs {
     /// PEM file of a private CA to trust (only it) for an https target.
     #[arg(long, value_name = "FILE", requires = "target")]
     pub ca_file: Option<PathBuf>,
+    /// Base URL of a second endpoint of the same deployment (another server process on the
+    /// same database, taking the same tokens), for scenarios that require a peer.
+    #[arg(long, value_name = "URL", requires = "target")]
+    pub peer_url: Option<String>,
     /// Treat this feature as advertised even if the target does not say so (repeatable).
     #[arg(long, value_name = "FEATURE")]
     pub assume_capability: Vec<String>,
@@ -416,6 +420,14 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 args.ca_file.as_deref(),
             )
             .await?;
+            let t = match &args.peer_url {
+                Some(peer) => {
+                    crate::live::guard(peer, args.live)
+                        .map_err(|e| RunError::Usage(e.to_string()))?;
+                    t.with_peer_url(peer).await?
+                }
+                None => t,
+            };
             (t, "url")
         }
         None => {
@@ -435,6 +447,29 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .capabilities
         .override_features(&args.assume_capability, &args.drop_capability)
         .map_err(RunError::Usage)?;
+    // The reference server has a peer only on PostgreSQL: there, scenarios that need one are
+    // not applicable (left out, and said so) rather than skipped, which would make the
+    // reference's own run partial. A URL target without --peer-url skips them.
+    let selected = if kind == "reference" && target.peer.is_none() {
+        let (needs_peer, rest): (Vec<LoadedScenario>, Vec<LoadedScenario>) = selected
+            .into_iter()
+            .partition(|s| s.scenario.requires.iter().any(|r| r.value == "peer"));
+        for s in &needs_peer {
+            eprintln!(
+                "not applicable: {} needs a peer; the reference server has one only on PostgreSQL (--database-url)",
+                s.id()
+            );
+        }
+        if rest.is_empty() {
+            return Err(RunError::Usage(
+                "no scenario selected: every selected scenario needs a peer (--database-url)"
+                    .into(),
+            ));
+        }
+        rest
+    } else {
+        selected
+    };
     let run_id = ulid::Ulid::new().to_string().to_lowercase();
     let target = Arc::new(target);
     // The first Ctrl-C lets running scenarios finish (their cleanup included) and starts no

@@ -212,9 +212,24 @@ pub struct Target {
     pub canary: String,
     /// Extra root certificates, so that fresh clients (absence checks) trust the same CA.
     ca: Option<reqwest::Certificate>,
+    /// A second endpoint of the same deployment (another server process on the same
+    /// database), for scenarios that `require: [peer]`.
+    pub peer: Option<Peer>,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
 }
+
+/// A second base URL serving the same deployment as the target, with the same principals'
+/// tokens: another server process on the same database.
+pub struct Peer {
+    /// Base URL without a trailing slash.
+    pub base_url: String,
+    /// The second reference server process, when the runner started it; stopped on drop.
+    _server: Option<ReferenceServer>,
+}
+
+/// Why a scenario that requires a peer is skipped when the target has none.
+pub const NO_PEER: &str = "the target has no peer: no second server process of the same deployment (--peer-url; the reference server has one only on PostgreSQL)";
 
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -293,16 +308,8 @@ impl Target {
         tokens: Tokens,
         ca: Option<reqwest::Certificate>,
     ) -> Result<Target, TargetError> {
-        let url =
-            reqwest::Url::parse(base_url).map_err(|_| TargetError::BadUrl(base_url.to_owned()))?;
-        if !matches!(url.scheme(), "http" | "https")
-            || !url.username().is_empty()
-            || url.password().is_some()
-        {
-            return Err(TargetError::BadUrl(base_url.to_owned()));
-        }
+        let base_url = checked_base_url(base_url)?;
         let client = build_client(ca.as_ref())?;
-        let base_url = base_url.trim_end_matches('/').to_owned();
         let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
         Ok(Target {
             canary: crate::evidence::new_canary(),
@@ -311,17 +318,43 @@ impl Target {
             tokens,
             capabilities,
             ca,
+            peer: None,
             _server: None,
         })
     }
 
-    /// Starts the reference server (`binary serve ...`) and connects to it.
+    /// Adds a peer: `peer_url` serves the same deployment and takes the same tokens. Its
+    /// capabilities must be readable, as the target's are.
+    pub async fn with_peer_url(mut self, peer_url: &str) -> Result<Target, TargetError> {
+        let base_url = checked_base_url(peer_url)?;
+        fetch_capabilities(&self.client, &base_url, &self.tokens.owner).await?;
+        self.peer = Some(Peer {
+            base_url,
+            _server: None,
+        });
+        Ok(self)
+    }
+
+    /// Starts the reference server (`binary serve ...`) and connects to it. On PostgreSQL
+    /// a second server process is started on the same database, with the same principals,
+    /// as the target's peer.
     pub async fn start_reference(options: &ReferenceOptions) -> Result<Target, TargetError> {
         let server = ReferenceServer::start(options).await?;
         let tokens = server.tokens.clone();
         let client = build_client(None)?;
         let base_url = server.url.clone();
         let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
+        let peer = match &options.database_url {
+            Some(_) => {
+                let second = ReferenceServer::start_with_tokens(options, tokens.clone()).await?;
+                fetch_capabilities(&client, &second.url, &tokens.owner).await?;
+                Some(Peer {
+                    base_url: second.url.clone(),
+                    _server: Some(second),
+                })
+            }
+            None => None,
+        };
         Ok(Target {
             canary: crate::evidence::new_canary(),
             base_url,
@@ -329,9 +362,23 @@ impl Target {
             tokens,
             capabilities,
             ca: None,
+            peer,
             _server: Some(server),
         })
     }
+}
+
+/// An `http`/`https` URL without credentials, without its trailing slash.
+fn checked_base_url(base_url: &str) -> Result<String, TargetError> {
+    let url =
+        reqwest::Url::parse(base_url).map_err(|_| TargetError::BadUrl(base_url.to_owned()))?;
+    if !matches!(url.scheme(), "http" | "https")
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
+        return Err(TargetError::BadUrl(base_url.to_owned()));
+    }
+    Ok(base_url.trim_end_matches('/').to_owned())
 }
 
 /// `GET /v1/capabilities` as the owner.
@@ -437,6 +484,20 @@ pub struct ReferenceServer {
 
 impl ReferenceServer {
     pub async fn start(options: &ReferenceOptions) -> Result<ReferenceServer, TargetError> {
+        let tokens = Tokens {
+            owner: random_token(),
+            other: random_token(),
+            admin: Some(random_token()),
+        };
+        Self::start_with_tokens(options, tokens).await
+    }
+
+    /// Starts a server whose principals have these tokens, with a data directory of its own
+    /// (a second process on the same database takes the first one's tokens).
+    pub async fn start_with_tokens(
+        options: &ReferenceOptions,
+        tokens: Tokens,
+    ) -> Result<ReferenceServer, TargetError> {
         let binary = options.binary.display().to_string();
         let spawn_err = |reason: String| TargetError::Spawn {
             binary: binary.clone(),
@@ -444,11 +505,6 @@ impl ReferenceServer {
         };
         let dir =
             tempfile::tempdir().map_err(|e| spawn_err(format!("temporary directory: {e}")))?;
-        let tokens = Tokens {
-            owner: random_token(),
-            other: random_token(),
-            admin: Some(random_token()),
-        };
         let config_path = dir.path().join("serve.toml");
         write_private(&config_path, &config_toml(&tokens))
             .map_err(|e| spawn_err(format!("config file: {e}")))?;
@@ -681,6 +737,40 @@ mod tests {
                 .await
                 .unwrap_err();
             assert!(err.is_usage(), "{bad}: {err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peer_is_checked_like_the_target() {
+        let caps = r#"{"providers":[{"name":"local","default":true}],"features":["sessions"]}"#;
+        let response: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{caps}",
+                caps.len()
+            )
+            .into_boxed_str(),
+        );
+        let url = canned(response).await;
+        let peer = canned(response).await;
+        let target = Target::connect_with_tokens(&url, tokens(), None)
+            .await
+            .unwrap();
+        assert!(target.peer.is_none());
+        let target = target.with_peer_url(&format!("{peer}/")).await.unwrap();
+        assert_eq!(target.peer.as_ref().unwrap().base_url, peer);
+        let err = match target.with_peer_url("http://user:pw@127.0.0.1:1").await {
+            Err(e) => e,
+            Ok(_) => panic!("a peer URL with credentials is refused"),
+        };
+        assert!(err.is_usage(), "{err}");
+        let html = canned("HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi").await;
+        let target = Target::connect_with_tokens(&url, tokens(), None)
+            .await
+            .unwrap();
+        match target.with_peer_url(&html).await {
+            Err(TargetError::BadCapabilities { .. }) => {}
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(_) => panic!("a peer without usable capabilities is refused"),
         }
     }
 

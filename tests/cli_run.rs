@@ -270,3 +270,95 @@ async fn sweep_removes_only_tagged_leftovers() {
     assert_eq!(code, ExitCode::from(0));
     assert_eq!(status_of(&server, &young).await, 200);
 }
+
+/// A URL target without `--peer-url`: a scenario that requires a peer is SKIPPED with that
+/// reason, never passed, and the skipped MUST makes the verdict `partial` (exit 1). With the
+/// target itself named as its peer (one process serves the whole deployment), it runs.
+#[tokio::test]
+async fn a_peer_scenario_skips_without_a_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let catalog = dir.path().join("catalog");
+    for file in [
+        "lifecycle/create-get-list-kill.yaml",
+        "faults/two-processes-one-database.yaml",
+    ] {
+        let to = catalog.join(file);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(source.join(file), to).unwrap();
+    }
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // SAFETY: this test binary sets each variable once, before any thread reads it, and
+    // every variable name is unique to this test.
+    unsafe {
+        std::env::set_var("SANDSPEC_CLI_PEER_OWNER", &server.tokens.owner);
+        std::env::set_var("SANDSPEC_CLI_PEER_OTHER", &server.tokens.other);
+    }
+    let outcome_of = |out: &std::path::Path| -> (String, String, Option<String>) {
+        let receipt: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap())
+                .unwrap();
+        let report = &receipt["predicate"];
+        let all = report["profiles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["profile"] == "all")
+            .unwrap()["verdict"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let peer = report["scenarios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == "FLT-PEER-001")
+            .unwrap();
+        (
+            all,
+            peer["outcome"].as_str().unwrap().to_owned(),
+            peer["reason"].as_str().map(str::to_owned),
+        )
+    };
+    let run = |out: PathBuf, peer: Option<String>| {
+        let mut argv = vec![
+            "run".to_owned(),
+            "--target".into(),
+            server.url.clone(),
+            "--owner-token-env".into(),
+            "SANDSPEC_CLI_PEER_OWNER".into(),
+            "--other-token-env".into(),
+            "SANDSPEC_CLI_PEER_OTHER".into(),
+            "--scenarios".into(),
+            catalog.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        if let Some(peer) = peer {
+            argv.extend(["--peer-url".to_owned(), peer]);
+        }
+        let args = Wrapper::try_parse_from(argv).unwrap();
+        sandspec::cli::run(args.run)
+    };
+    let without = dir.path().join("without");
+    assert_eq!(run(without.clone(), None).await, ExitCode::from(1));
+    let (verdict, outcome, reason) = outcome_of(&without);
+    assert_eq!((verdict.as_str(), outcome.as_str()), ("partial", "skip"));
+    assert!(reason.unwrap().contains("no peer"));
+
+    let with = dir.path().join("with");
+    assert_eq!(
+        run(with.clone(), Some(server.url.clone())).await,
+        ExitCode::from(0)
+    );
+    let (verdict, outcome, _) = outcome_of(&with);
+    assert_eq!((verdict.as_str(), outcome.as_str()), ("conformant", "pass"));
+    assert!(
+        Wrapper::try_parse_from(["run", "--peer-url", "http://127.0.0.1:1"]).is_err(),
+        "--peer-url needs --target"
+    );
+}

@@ -3,6 +3,11 @@
 //! PostgreSQL is not installed), and every (scenario, defect) pair against a SQLite server
 //! started with that defect, where the scenario must FAIL (`defect::<ID>::<defect>`).
 //!
+//! A scenario that requires a peer (a second server process on the same database) can only
+//! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
+//! reported ignored with the skip's reason, and its defect trials run on PostgreSQL (ignored
+//! like the `postgres::` trials when PostgreSQL is not installed).
+//!
 //! Servers are started once per process and shared: one clean server per store, and one per
 //! defect. Scenarios marked `exclusive` take a write lock so nothing else runs beside them.
 
@@ -37,7 +42,12 @@ enum Store<'a> {
     Postgres,
     /// SQLite with this defect switched on.
     Defect(&'a str),
+    /// PostgreSQL (two server processes) with this defect switched on.
+    PostgresDefect(&'a str),
 }
+
+/// The skip reason of a PostgreSQL trial when PostgreSQL is not installed.
+const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for `store`; `None` when PostgreSQL is not installed.
 fn server(store: Store<'_>) -> Option<Arc<Target>> {
@@ -45,13 +55,14 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
         Store::Defect(d) => format!("defect:{d}"),
+        Store::PostgresDefect(d) => format!("postgres-defect:{d}"),
     };
     let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
     let database_url = match store {
-        Store::Postgres => {
+        Store::Postgres | Store::PostgresDefect(_) => {
             Some(reference_server::testing::PgCluster::shared_or_skip()?.fresh_database_blocking())
         }
         Store::Sqlite | Store::Defect(_) => None,
@@ -59,7 +70,7 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
     let options = ReferenceOptions {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
         defects: match store {
-            Store::Defect(d) => vec![d.to_owned()],
+            Store::Defect(d) | Store::PostgresDefect(d) => vec![d.to_owned()],
             Store::Sqlite | Store::Postgres => vec![],
         },
         database_url,
@@ -76,7 +87,7 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
 fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
     let Some(target) = server(store) else {
         return Outcome::Skip {
-            reason: "PostgreSQL is not installed".into(),
+            reason: NO_POSTGRES.into(),
         };
     };
     let _guard: Box<dyn std::any::Any> = if scenario.scenario.exclusive {
@@ -99,21 +110,32 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> T
     })
 }
 
-/// A negative control: the scenario must FAIL against a server with `defect`.
-fn must_fail(scenario: LoadedScenario, defect: String) -> Trial {
+/// A negative control: the scenario must FAIL against a server with `defect` (on PostgreSQL
+/// when `postgres`, where a missing PostgreSQL makes the trial ignored; any other skip fails).
+fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial {
     let name = format!("defect::{}::{}", scenario.id(), defect);
-    Trial::test(name, move || match run(&scenario, Store::Defect(&defect)) {
-        Outcome::Fail { step, reason } => {
-            // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
-            // failed for the reason the defect implies.
-            if std::env::var_os("SANDSPEC_SHOW_REASONS").is_some() {
-                eprintln!("{defect}: {step}: {reason}");
+    Trial::ignorable_test(name, move || {
+        let store = if postgres {
+            Store::PostgresDefect(&defect)
+        } else {
+            Store::Defect(&defect)
+        };
+        match run(&scenario, store) {
+            Outcome::Fail { step, reason } => {
+                // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
+                // failed for the reason the defect implies.
+                if std::env::var_os("SANDSPEC_SHOW_REASONS").is_some() {
+                    eprintln!("{defect}: {step}: {reason}");
+                }
+                Ok(Completion::Completed)
             }
-            Ok(())
+            Outcome::Skip { reason } if postgres && reason == NO_POSTGRES => {
+                Ok(Completion::ignored_with(reason))
+            }
+            other => Err(Failed::from(format!(
+                "expected FAIL against a server with `{defect}`, got {other}"
+            ))),
         }
-        other => Err(Failed::from(format!(
-            "expected FAIL against a server with `{defect}`, got {other}"
-        ))),
     })
 }
 
@@ -146,8 +168,9 @@ fn main() {
             s.clone(),
             Store::Postgres,
         ));
+        let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
         for defect in &s.scenario.defects {
-            trials.push(must_fail(s.clone(), defect.value.clone()));
+            trials.push(must_fail(s.clone(), defect.value.clone(), needs_peer));
         }
     }
     let conclusion = libtest_mimic::run(&args, trials);

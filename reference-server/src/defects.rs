@@ -101,6 +101,19 @@ pub enum Defect {
     /// A cursor older than the retained log is answered from the oldest retained event
     /// instead of 410 `cursor_expired`.
     ExpiredCursorSkips,
+    /// Each server process makes up its own page-token key instead of reading the one shared
+    /// in the database: a page token from one process is refused by another.
+    PageKeyPerProcess,
+    /// Events other processes append are neither turned into wake-ups nor picked up by the
+    /// streams' own polling: a stream sees only what its own process appends.
+    ForeignAppendsIgnored,
+    /// A worker that ended is taken to have finished its turn: the running submission
+    /// becomes `completed`.
+    WorkerExitCompletesTurn,
+    /// An upload to a session being deleted is not refused as such.
+    UploadToDeletingAccepted,
+    /// `GET /v1/sessions?state=` ignores the filter and lists every session.
+    SessionListIgnoresState,
 }
 
 impl Defect {
@@ -149,6 +162,11 @@ impl Defect {
         Defect::QueueLimitUnenforced,
         Defect::SubmitToDeletingAccepted,
         Defect::ExpiredCursorSkips,
+        Defect::PageKeyPerProcess,
+        Defect::ForeignAppendsIgnored,
+        Defect::WorkerExitCompletesTurn,
+        Defect::UploadToDeletingAccepted,
+        Defect::SessionListIgnoresState,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -197,6 +215,11 @@ impl Defect {
             Defect::QueueLimitUnenforced => "queue-limit-unenforced",
             Defect::SubmitToDeletingAccepted => "submit-to-deleting-accepted",
             Defect::ExpiredCursorSkips => "expired-cursor-skips",
+            Defect::PageKeyPerProcess => "page-key-per-process",
+            Defect::ForeignAppendsIgnored => "foreign-appends-ignored",
+            Defect::WorkerExitCompletesTurn => "worker-exit-completes-turn",
+            Defect::UploadToDeletingAccepted => "upload-to-deleting-accepted",
+            Defect::SessionListIgnoresState => "session-list-ignores-state",
         }
     }
 
@@ -260,6 +283,19 @@ impl Defect {
             Defect::ExpiredCursorSkips => {
                 "an expired cursor resumes at the oldest retained event instead of 410"
             }
+            Defect::PageKeyPerProcess => {
+                "each server process signs page tokens with its own key, not the shared one"
+            }
+            Defect::ForeignAppendsIgnored => {
+                "streams never see events that another server process appends"
+            }
+            Defect::WorkerExitCompletesTurn => {
+                "a worker that ended is taken to have completed its turn"
+            }
+            Defect::UploadToDeletingAccepted => {
+                "an upload to a deleting session is not refused as such"
+            }
+            Defect::SessionListIgnoresState => "the session list ignores its state filter",
         }
     }
 }

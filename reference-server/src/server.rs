@@ -63,11 +63,20 @@ impl Server {
         let store = store::open(&config.database)
             .await
             .context("failed to open the store")?;
-        let page_key = store
-            .shared_key("page_token", rand::random())
-            .await
-            .context("failed to read the page-token key")?;
-        let log = EventLog::new(Arc::clone(&store));
+        let page_key = if config.defects.has(Defect::PageKeyPerProcess) {
+            // The defect: a key of this process's own, whatever the database holds.
+            rand::random()
+        } else {
+            store
+                .shared_key("page_token", rand::random())
+                .await
+                .context("failed to read the page-token key")?
+        };
+        let log = if config.defects.has(Defect::ForeignAppendsIgnored) {
+            EventLog::ignoring_foreign_appends(Arc::clone(&store))
+        } else {
+            EventLog::new(Arc::clone(&store))
+        };
         let providers =
             Providers::new(&config, log.clone()).context("failed to set up the providers")?;
         let state = AppState::new(
@@ -297,4 +306,38 @@ async fn reap_once(state: &AppState) -> anyhow::Result<()> {
         state.store.delete(Kind::Preview, &rec.id).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::defects::Defects;
+
+    /// The page-token keys of two servers opened on one database file.
+    async fn page_keys(defects: &[&str]) -> ([u8; 32], [u8; 32]) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut keys = Vec::new();
+        for name in ["a", "b"] {
+            let mut config = Config::for_tests(dir.path().join(name));
+            config.database = crate::config::Database::Sqlite(Some(dir.path().join("one.db")));
+            config.defects = Defects::parse(defects.iter().copied()).unwrap();
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let server = Server::build(listener, config).await.unwrap();
+            keys.push(server.state.page_key);
+        }
+        (keys[0], keys[1])
+    }
+
+    #[tokio::test]
+    async fn servers_on_one_database_share_the_page_token_key() {
+        let (a, b) = page_keys(&[]).await;
+        assert_eq!(a, b);
+    }
+
+    #[cfg(feature = "defects")]
+    #[tokio::test]
+    async fn page_key_per_process_makes_up_a_key_of_its_own() {
+        let (a, b) = page_keys(&["page-key-per-process"]).await;
+        assert_ne!(a, b);
+    }
 }

@@ -22,7 +22,7 @@ use super::transcript::{
 };
 use super::vars::{VarError, Vars};
 use crate::scenario::{
-    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until,
+    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until, Via,
 };
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
 use crate::target::{Target, describe_reqwest};
@@ -158,6 +158,12 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
 /// Why a scenario cannot run against this target, if it cannot.
 pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
     for cap in &scenario.requires {
+        if cap.value == "peer" {
+            if target.peer.is_none() {
+                return Some(crate::target::NO_PEER.to_owned());
+            }
+            continue;
+        }
         if !target.capabilities.has(&cap.value) {
             let advertised = target.capabilities.raw["features"]
                 .as_array()
@@ -206,17 +212,21 @@ fn expects_some_success(s: &Scenario) -> bool {
 }
 
 fn describe(step: &Step) -> String {
+    let via = |v: Via| if v == Via::Peer { " (via peer)" } else { "" };
     let req = |r: &Request| match &r.name {
-        Some(n) => n.clone(),
-        None => format!("{} {}", r.method.as_str(), r.path.raw),
+        Some(n) => format!("{n}{}", via(r.via)),
+        None => format!("{} {}{}", r.method.as_str(), r.path.raw, via(r.via)),
     };
     match step {
         Step::Request(r) => req(r),
         Step::Poll(p) => format!("poll {}", req(&p.request)),
-        Step::Sse(s) => s
-            .name
-            .clone()
-            .unwrap_or_else(|| format!("sse {}", s.path.raw)),
+        Step::Sse(s) => {
+            let name = s
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("sse {}", s.path.raw));
+            format!("{name}{}", via(s.via))
+        }
         other => other.kind().to_owned(),
     }
 }
@@ -288,6 +298,8 @@ struct Ctx<'a> {
 
 /// A request ready to send.
 struct Prepared {
+    /// The endpoint it goes to.
+    via: Via,
     method: Method,
     target: String,
     principal: Principal,
@@ -357,6 +369,15 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// The base URL of `via`. A scenario that sends anything through the peer requires one
+    /// (the parser insists), and is skipped when the target has none.
+    fn base(&self, via: Via) -> &str {
+        match (via, &self.target.peer) {
+            (Via::Peer, Some(peer)) => &peer.base_url,
+            _ => &self.target.base_url,
+        }
+    }
+
     fn token(&self, principal: Principal) -> Option<&str> {
         match principal {
             Principal::Owner => Some(&self.target.tokens.owner),
@@ -408,7 +429,7 @@ impl<'a> Ctx<'a> {
             let secret = self.vars.render(&sign.secret)?;
             // The signed target is the one on the wire, including any path prefix of the
             // base URL, after the URL parser's normalization.
-            let url = reqwest::Url::parse(&format!("{}{target}", self.target.base_url))
+            let url = reqwest::Url::parse(&format!("{}{target}", self.base(r.via)))
                 .map_err(|e| StepError::Error(format!("cannot sign `{target}`: {e}")))?;
             let on_wire = match url.query() {
                 Some(q) => format!("{}?{q}", url.path()),
@@ -425,6 +446,7 @@ impl<'a> Ctx<'a> {
             }
         }
         Ok(Prepared {
+            via: r.via,
             method: r.method,
             target,
             principal: r.principal,
@@ -437,7 +459,7 @@ impl<'a> Ctx<'a> {
     fn builder(&self, client: &reqwest::Client, p: &Prepared) -> reqwest::RequestBuilder {
         let method =
             reqwest::Method::from_bytes(p.method.as_str().as_bytes()).expect("known method");
-        let mut b = client.request(method, format!("{}{}", self.target.base_url, p.target));
+        let mut b = client.request(method, format!("{}{}", self.base(p.via), p.target));
         if !p.literal_auth
             && let Some(token) = self.token(p.principal)
         {
@@ -532,10 +554,7 @@ impl<'a> Ctx<'a> {
             Err((reason, connect)) => {
                 exchange.error = Some(reason.clone());
                 if connect {
-                    Err(StepError::Error(format!(
-                        "{}: {reason}",
-                        self.target.base_url
-                    )))
+                    Err(StepError::Error(format!("{}: {reason}", self.base(p.via))))
                 } else {
                     Err(StepError::Fail(format!("no response: {reason}")))
                 }
@@ -672,6 +691,7 @@ impl<'a> Ctx<'a> {
             })
             .and_then(|v| v.parse().ok());
         let prepared = Prepared {
+            via: s.via,
             method: Method::Get,
             target: with_query(&path, &query),
             principal: s.principal,
@@ -994,7 +1014,7 @@ impl<'a> Ctx<'a> {
         stop: Stop,
         deadline: Duration,
     ) -> impl std::future::Future<Output = Probed> + use<> {
-        let plain = self.target.base_url.starts_with("http://")
+        let plain = self.base(p.via).starts_with("http://")
             && !p.literal_auth
             && p.headers
                 .iter()
@@ -1003,7 +1023,7 @@ impl<'a> Ctx<'a> {
                 .iter()
                 .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));
         let enabled = cfg!(feature = "interop") && s.interop && plain;
-        let url = format!("{}{}", self.target.base_url, p.target);
+        let url = format!("{}{}", self.base(p.via), p.target);
         let bearer = self.token(p.principal).map(str::to_owned);
         let cut_after = s.cut_after.map(|n| n as usize);
         async move {
@@ -1069,6 +1089,7 @@ impl<'a> Ctx<'a> {
 
     async fn digest(&mut self, label: &str) -> Result<String, StepError> {
         let p = Prepared {
+            via: Via::Primary,
             method: Method::Get,
             target: "/v1/test/digest".into(),
             principal: Principal::Admin,
@@ -1125,6 +1146,7 @@ impl<'a> Ctx<'a> {
                 query.push(("page_token".into(), t.clone()));
             }
             let p = Prepared {
+                via: Via::Primary,
                 method: Method::Get,
                 target: with_query(path, &query),
                 principal,
@@ -1265,6 +1287,7 @@ impl<'a> Ctx<'a> {
             .fresh_client()
             .map_err(|e| StepError::Error(e.to_string()))?;
         let p = Prepared {
+            via: Via::Primary,
             method: Method::Get,
             target: path.clone(),
             principal: a.principal,
@@ -1306,6 +1329,7 @@ impl<'a> Ctx<'a> {
             let path = self.ledger[i].path.clone();
             let principal = self.ledger[i].principal;
             let get = Prepared {
+                via: Via::Primary,
                 method: Method::Get,
                 target: path.clone(),
                 principal,
@@ -1322,6 +1346,7 @@ impl<'a> Ctx<'a> {
                 continue;
             }
             let delete = Prepared {
+                via: Via::Primary,
                 method: Method::Delete,
                 ..get
             };
@@ -1331,6 +1356,7 @@ impl<'a> Ctx<'a> {
             let gone = match deleted {
                 Ok(d) if d.status == 204 || d.status == 404 => {
                     let get = Prepared {
+                        via: Via::Primary,
                         method: Method::Get,
                         target: path.clone(),
                         principal,

@@ -108,6 +108,18 @@ impl fmt::Display for Principal {
     }
 }
 
+/// Which endpoint of the deployment a step talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// The target's base URL.
+    #[default]
+    Primary,
+    /// The target's peer: another server process of the same deployment (needs
+    /// `requires: [peer]`).
+    Peer,
+}
+
 /// One step. The key names the kind: `- request: {...}`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -183,6 +195,9 @@ pub struct Request {
     pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
+    /// The endpoint to send it to: `primary` unless given.
+    #[serde(default)]
+    pub via: Via,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -332,6 +347,9 @@ pub struct Sse {
     pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
+    /// The endpoint to open the stream on: `primary` unless given.
+    #[serde(default)]
+    pub via: Via,
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
     pub path: Template,

@@ -10,6 +10,7 @@ use regex::Regex;
 
 use super::model::{
     Capture, Expect, HeaderCheck, JsonCheck, Level, Located, NumExpr, Pos, Request, Scenario, Step,
+    Via,
 };
 use super::template::{Template, parse_parts};
 
@@ -41,6 +42,7 @@ pub const CAPABILITIES: &[&str] = &[
     "test_controls",
     "sessions",
     "two_providers",
+    "peer",
 ];
 
 /// Longest `sleep` a scenario may ask for.
@@ -334,6 +336,7 @@ impl Checker<'_> {
                 self.num(&p.within_s, scope, ctx);
             }
             Step::Sse(sse) => {
+                self.via(sse.via, sse.path.pos, ctx);
                 self.template(&sse.path, scope, ctx);
                 for t in sse.headers.values().chain(sse.query.values()) {
                     self.template(t, scope, ctx);
@@ -455,6 +458,7 @@ impl Checker<'_> {
     }
 
     fn request(&mut self, r: &Request, scope: &mut Scope, ctx: &Ctx<'_>, in_parallel: bool) {
+        self.via(r.via, r.path.pos, ctx);
         self.template(&r.path, scope, ctx);
         for t in r.headers.values().chain(r.query.values()) {
             self.template(t, scope, ctx);
@@ -698,6 +702,13 @@ impl Checker<'_> {
     fn num(&mut self, n: &NumExpr, scope: &Scope, ctx: &Ctx<'_>) {
         if let Some(var) = n.expr.var() {
             self.var(var, n.pos, scope, ctx);
+        }
+    }
+
+    /// A step sent through the peer needs a target that has one.
+    fn via(&mut self, via: Via, pos: Pos, ctx: &Ctx<'_>) {
+        if via == Via::Peer && !ctx.requires.contains("peer") {
+            self.err(pos, "`via: peer` needs `requires: [peer]`");
         }
     }
 

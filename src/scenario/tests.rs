@@ -294,3 +294,54 @@ fn parallel_tallies_take_header_checks() {
     );
     check_err(&unknown, "bad.yaml:10:65: unknown variable `nope`");
 }
+
+#[test]
+fn via_peer_parses_and_needs_the_peer_requirement() {
+    let text = header(
+        "requires: [peer]\nsteps:\n  - request: {via: peer, method: GET, path: /v1/sessions}\n  - sse: {via: primary, path: /v1/sessions/x/events}\n  - poll:\n      within_s: 5\n      request: {via: peer, method: GET, path: /v1/sessions}\n",
+    );
+    let s = parse_str(Path::new("good.yaml"), &text).unwrap();
+    let Step::Request(r) = &s.steps[0] else {
+        panic!("a request")
+    };
+    assert_eq!(r.via, Via::Peer);
+    let Step::Sse(sse) = &s.steps[1] else {
+        panic!("an sse step")
+    };
+    assert_eq!(sse.via, Via::Primary);
+    let Step::Poll(p) = &s.steps[2] else {
+        panic!("a poll")
+    };
+    assert_eq!(p.request.via, Via::Peer);
+    // Without the requirement, a step through the peer is refused where it is written.
+    check_err(
+        &header("steps:\n  - request: {via: peer, method: GET, path: /v1/sessions}\n"),
+        "bad.yaml:6:45: `via: peer` needs `requires: [peer]`",
+    );
+    check_err(
+        &header("steps:\n  - sse:\n      via: peer\n      path: /v1/x\n"),
+        "bad.yaml:8:13: `via: peer` needs",
+    );
+}
+
+#[test]
+fn unknown_via_is_an_error_at_its_line() {
+    check_err(
+        &header(
+            "requires: [peer]\nsteps:\n  - request: {via: secondary, method: GET, path: /v1/x}\n",
+        ),
+        "bad.yaml:7:",
+    );
+    let errs = parse_str(
+        Path::new("bad.yaml"),
+        &header(
+            "requires: [peer]\nsteps:\n  - request: {via: secondary, method: GET, path: /v1/x}\n",
+        ),
+    )
+    .unwrap_err();
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("unknown variant `secondary`")),
+        "{errs:?}"
+    );
+}

@@ -928,12 +928,28 @@ impl Gateway {
         {
             rt.live().worker = None;
             let running = self.active_submission(sid).await?;
-            if running.is_some_and(|(_, s)| {
-                loaded
-                    .doc
-                    .lease_is_current(s.lease_generation.unwrap_or(-1))
-            }) {
-                self.make_uncertain(&mut loaded, "worker_lost").await?;
+            match running {
+                Some((mut rec, mut sub))
+                    if self
+                        .state
+                        .config
+                        .defects
+                        .has(Defect::WorkerExitCompletesTurn) =>
+                {
+                    // The bug: the worker's end is read as the turn's end.
+                    self.end_running_operations(sid, &sub.id, "succeeded")
+                        .await?;
+                    self.end_submission(&mut rec, &mut sub, "completed", json!({}))
+                        .await?;
+                }
+                Some((_, s))
+                    if loaded
+                        .doc
+                        .lease_is_current(s.lease_generation.unwrap_or(-1)) =>
+                {
+                    self.make_uncertain(&mut loaded, "worker_lost").await?;
+                }
+                _ => {}
             }
             self.revoke_lease(&mut loaded, &rt).await?;
         }

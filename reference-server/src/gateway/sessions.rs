@@ -548,7 +548,9 @@ pub async fn list(
         format!("sessions state={}", filter.as_deref().unwrap_or("")),
     )?;
     let mut lq = ListQuery::new(Kind::Session, Scope::Owner(&caller.principal));
-    lq.state = filter.as_deref();
+    lq.state = filter
+        .as_deref()
+        .filter(|_| !state.config.defects.has(Defect::SessionListIgnoresState));
     lq.after = page.after.clone();
     lq.limit = Some(page.limit + 1);
     let recs = state.store.list(&lq).await?;
@@ -662,7 +664,8 @@ pub async fn upload(
     if path.is_empty() {
         return Err(GwError::invalid("path", "path is required"));
     }
-    if loaded.doc.state == "deleting" {
+    if loaded.doc.state == "deleting" && !state.config.defects.has(Defect::UploadToDeletingAccepted)
+    {
         return Err(GwError::session_not_active());
     }
     let bytes = read_body(&headers, body, state.config.limits.max_file_bytes).await?;

@@ -32,6 +32,9 @@ pub struct EventLog {
     /// seq, and the recent events. Entries are created on demand and dropped when nobody
     /// follows the stream any more.
     wakers: Arc<Wakers>,
+    /// The `foreign-appends-ignored` defect: other processes' appends wake nobody, and
+    /// streams read the store only when woken.
+    foreign_ignored: bool,
 }
 
 /// An event with its SSE frame.
@@ -79,10 +82,29 @@ impl EventLog {
     /// Must be called inside a Tokio runtime when the store reports other processes' appends:
     /// a task forwards them as wake-ups for as long as the store lives.
     pub fn new(store: Arc<dyn Store>) -> Self {
+        Self::build(store, false)
+    }
+
+    /// The `foreign-appends-ignored` defect: the store's feed of other processes' appends is
+    /// dropped, and streams do not poll the store between wake-ups.
+    pub fn ignoring_foreign_appends(store: Arc<dyn Store>) -> Self {
+        Self::build(store, true)
+    }
+
+    /// Whether this log was built with [`EventLog::ignoring_foreign_appends`].
+    pub fn ignores_foreign_appends(&self) -> bool {
+        self.foreign_ignored
+    }
+
+    fn build(store: Arc<dyn Store>, foreign_ignored: bool) -> Self {
         let log = Self {
             store,
             wakers: Arc::default(),
+            foreign_ignored,
         };
+        if foreign_ignored {
+            return log;
+        }
         if let Some(mut foreign) = log.store.foreign_appends() {
             let wakers = Arc::clone(&log.wakers);
             tokio::spawn(async move {

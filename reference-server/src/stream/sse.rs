@@ -239,6 +239,7 @@ pub async fn respond(
         ended: false,
         leak_slot_on_close: options.leak_slot_on_close,
         slot: Some(slot),
+        read_due: true,
     };
     let body = futures_util::stream::unfold(state, |mut s| async move {
         let Some(chunk) = s.next_chunk().await else {
@@ -310,6 +311,9 @@ struct Running {
     /// Holds the principal's stream slot until the body is dropped, whether the stream
     /// ended or the client closed it.
     slot: Option<StreamSlot>,
+    /// Whether the store may hold events not read yet. Always read when the log does not
+    /// ignore foreign appends; with that defect, only after a wake-up (or a full batch).
+    read_due: bool,
 }
 
 impl Drop for Running {
@@ -339,14 +343,19 @@ impl Running {
             if Instant::now() >= self.deadline {
                 return Some(self.end("max_duration"));
             }
-            let events = match self.log.read_after(&self.stream, self.cursor, BATCH).await {
-                Ok(events) => events,
-                Err(e) => {
-                    // The client resumes from its last id once the store is back.
-                    tracing::warn!(error = %e, stream = %self.stream, "ending stream: store read failed");
-                    return None;
+            let events = if self.read_due || !self.log.ignores_foreign_appends() {
+                match self.log.read_after(&self.stream, self.cursor, BATCH).await {
+                    Ok(events) => events,
+                    Err(e) => {
+                        // The client resumes from its last id once the store is back.
+                        tracing::warn!(error = %e, stream = %self.stream, "ending stream: store read failed");
+                        return None;
+                    }
                 }
+            } else {
+                Vec::new()
             };
+            self.read_due = !events.is_empty();
             if let Some(first) = events.first() {
                 if first.event.seq != self.cursor + 1 {
                     // Retention purged events this client had not read yet.
@@ -389,6 +398,7 @@ impl Running {
             }
             tokio::select! {
                 changed = self.wake.changed() => {
+                    self.read_due = true;
                     if changed.is_err() {
                         // The waker went away; fall back to polling.
                         tokio::time::sleep(POLL).await;
@@ -779,6 +789,39 @@ mod tests {
                     .await
                     .expect("the defect does not refuse the expired cursor");
                 assert!(body(skipped).await.starts_with("id: 3\n"));
+            }
+
+            #[tokio::test]
+            async fn foreign_appends_ignored_never_sees_another_processs_event() {
+                let store: Arc<dyn crate::store::Store> =
+                    Arc::new(SqliteStore::open(None).await.unwrap());
+                for ignored in [false, true] {
+                    let log = if ignored {
+                        EventLog::ignoring_foreign_appends(Arc::clone(&store))
+                    } else {
+                        EventLog::new(Arc::clone(&store))
+                    };
+                    let stream = format!("s-{ignored}");
+                    let response = respond(&log, subject(&stream, false), None, slot(), options())
+                        .await
+                        .unwrap();
+                    // Appended behind the log's back, as by another server process.
+                    let writer = Arc::clone(&store);
+                    let behind = stream.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        writer
+                            .append_event(&behind, "exit", &json!({}))
+                            .await
+                            .unwrap();
+                    });
+                    let read = tokio::time::timeout(
+                        Duration::from_secs(3),
+                        response.into_body().collect(),
+                    )
+                    .await;
+                    assert_eq!(read.is_ok(), !ignored, "ignored: {ignored}");
+                }
             }
         }
     }
