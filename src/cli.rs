@@ -448,17 +448,22 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .override_features(&args.assume_capability, &args.drop_capability)
         .map_err(RunError::Usage)?;
     // The reference server has a peer only on PostgreSQL: there, scenarios that need one are
-    // not applicable (left out, and said so) rather than skipped, which would make the
-    // reference's own run partial. A URL target without --peer-url skips them.
-    let selected = if kind == "reference" && target.peer.is_none() {
+    // not applicable (left out, said so, and recorded in the report and the receipt) rather
+    // than skipped, which would make the reference's own run partial. A URL target without
+    // --peer-url skips them, and so does a certification run.
+    let mut not_applicable = Vec::new();
+    let selected = if kind == "reference" && target.peer.is_none() && !args.certify {
         let (needs_peer, rest): (Vec<LoadedScenario>, Vec<LoadedScenario>) = selected
             .into_iter()
             .partition(|s| s.scenario.requires.iter().any(|r| r.value == "peer"));
         for s in &needs_peer {
-            eprintln!(
-                "not applicable: {} needs a peer; the reference server has one only on PostgreSQL (--database-url)",
-                s.id()
-            );
+            let reason =
+                "needs a peer; the reference server has one only on PostgreSQL (--database-url)";
+            eprintln!("not applicable: {} {reason}", s.id());
+            not_applicable.push(crate::report::NotApplicable {
+                id: s.id().to_owned(),
+                reason: reason.to_owned(),
+            });
         }
         if rest.is_empty() {
             return Err(RunError::Usage(
@@ -578,6 +583,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             .iter()
             .map(|s| format!("/v1/sandboxes/{}", s.id))
             .collect(),
+        not_applicable,
     };
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
     print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));

@@ -186,6 +186,18 @@ pub struct RunReport {
     /// removed by the end-of-run sweep. Anything here is a cleanup failure of the run.
     #[serde(default)]
     pub run_swept: Vec<String>,
+    /// Selected scenarios left out because they cannot apply to this target (with why), so
+    /// that the evidence says they did not run. Never counted as passed or skipped.
+    #[serde(default)]
+    pub not_applicable: Vec<NotApplicable>,
+}
+
+/// A selected scenario that was not run because it cannot apply to the target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NotApplicable {
+    pub id: String,
+    pub reason: String,
 }
 
 impl RunReport {
@@ -480,6 +492,7 @@ mod tests {
             profiles: RunReport::judge(&scenarios, false),
             scenarios,
             run_swept: Vec::new(),
+            not_applicable: Vec::new(),
         };
         let xml = junit_xml(&rep);
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");

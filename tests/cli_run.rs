@@ -362,3 +362,61 @@ async fn a_peer_scenario_skips_without_a_peer() {
         "--peer-url needs --target"
     );
 }
+
+/// The reference target on SQLite has no peer: a scenario that needs one is left out as not
+/// applicable, said on stderr and recorded with its reason in the receipt and the summary,
+/// never counted as passed or skipped; the rest of the run is judged as usual.
+#[test]
+fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let catalog = dir.path().join("catalog");
+    for file in [
+        "lifecycle/create-get-list-kill.yaml",
+        "faults/two-processes-one-database.yaml",
+    ] {
+        let to = catalog.join(file);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(source.join(file), to).unwrap();
+    }
+    let out = dir.path().join("out");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .arg("run")
+        .arg("--scenarios")
+        .arg(&catalog)
+        .arg("--out")
+        .arg(&out)
+        .env("CI", "true")
+        .output()
+        .expect("run sandspec");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "stderr: {stderr}");
+    assert!(
+        stderr.contains("not applicable: FLT-PEER-001 needs a peer"),
+        "{stderr}"
+    );
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let p = &receipt["predicate"];
+    assert_eq!(p["selection"]["not_applicable"][0]["id"], "FLT-PEER-001");
+    assert!(
+        p["selection"]["not_applicable"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("needs a peer")
+    );
+    let ran: Vec<&str> = p["scenarios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ran, ["SBX-LIFE-001"]);
+    assert_eq!(p["counts"]["total"], 1);
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        summary.contains("## Not applicable to this target"),
+        "{summary}"
+    );
+    assert!(summary.contains("`FLT-PEER-001`"), "{summary}");
+}

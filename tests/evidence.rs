@@ -329,6 +329,7 @@ fn report(canary: &str) -> RunReport {
         profiles: RunReport::judge(&scenarios, false),
         scenarios,
         run_swept: Vec::new(),
+        not_applicable: Vec::new(),
     }
 }
 
@@ -1148,6 +1149,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         profiles: RunReport::judge(&reports, false),
         scenarios: reports,
         run_swept: Vec::new(),
+        not_applicable: Vec::new(),
     };
     let tokens = &target.tokens;
     let mut sanitizer = for_tokens(tokens).unwrap();

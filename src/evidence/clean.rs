@@ -71,6 +71,14 @@ impl<'a> Cleaner<'a> {
                 })
                 .collect(),
             run_swept: self.all(&r.run_swept),
+            not_applicable: r
+                .not_applicable
+                .iter()
+                .map(|n| crate::report::NotApplicable {
+                    id: self.s(&n.id),
+                    reason: self.s(&n.reason),
+                })
+                .collect(),
         }
     }
 

@@ -176,6 +176,8 @@ pub struct Selection {
     pub shard: Option<String>,
     pub retries: u32,
     pub certify: bool,
+    /// Selected scenarios left out because they cannot apply to the target, with why.
+    pub not_applicable: Vec<crate::report::NotApplicable>,
 }
 
 /// A scenario's outcome as the receipt spells it.
@@ -505,6 +507,7 @@ impl Statement {
                     shard: report.shard.clone(),
                     retries: report.retries,
                     certify: report.certify,
+                    not_applicable: report.not_applicable.clone(),
                 },
                 scenarios,
                 profiles,

@@ -175,6 +175,12 @@ pub(crate) fn render(statement: &Statement) -> String {
             s.reason.as_deref().unwrap_or("")
         );
     }
+    if !r.selection.not_applicable.is_empty() {
+        md.push_str("\n## Not applicable to this target\n\n");
+        for n in &r.selection.not_applicable {
+            let _ = writeln!(md, "- `{}`: {}", n.id, n.reason);
+        }
+    }
     if !r.not_run.is_empty() {
         md.push_str("\n## Never ran\n\n");
         for id in &r.not_run {

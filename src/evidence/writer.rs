@@ -358,6 +358,7 @@ mod tests {
             profiles: RunReport::judge(&scenarios, false),
             scenarios,
             run_swept: Vec::new(),
+            not_applicable: Vec::new(),
         }
     }
 
