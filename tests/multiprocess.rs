@@ -27,6 +27,10 @@ struct Server {
 
 impl Server {
     async fn start(database_url: &str) -> Server {
+        Self::start_with(database_url, &[]).await
+    }
+
+    async fn start_with(database_url: &str, extra: &[&str]) -> Server {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut child = Command::new(env!("CARGO_BIN_EXE_sandspec"))
             .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
@@ -36,6 +40,7 @@ impl Server {
             .args(["--principal", &format!("alice:{ALICE}")])
             .args(["--admin-token", ADMIN, "--enable-test-controls"])
             .args(["--limit", "heartbeat_interval_s=1"])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .kill_on_drop(true)
@@ -412,4 +417,52 @@ async fn a_dead_home_is_taken_over_and_its_turn_is_uncertain() {
         |status, _| status == StatusCode::NOT_FOUND,
     )
     .await;
+}
+
+/// `limits.max_streams_per_principal` holds over both processes: with a limit of 2, one
+/// stream on each process leaves no room on either; closing one frees a slot for the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_quota_counts_every_process() {
+    let Some(url) = database() else { return };
+    let limit = ["--limit", "max_streams_per_principal=2"];
+    let (a, b) = tokio::join!(
+        Server::start_with(&url, &limit),
+        Server::start_with(&url, &limit)
+    );
+    sandspec::target::install_crypto_provider();
+    let client = Client::new();
+    let (sid, _) = create_session(&client, &a, "echo").await;
+    let open = |server: &Server| {
+        client
+            .get(format!("{}/v1/sessions/{sid}/events", server.base))
+            .bearer_auth(ALICE)
+            .header("Accept", "text/event-stream")
+            .send()
+    };
+    let on_a = open(&a).await.unwrap();
+    assert_eq!(on_a.status(), StatusCode::OK);
+    let on_b = open(&b).await.unwrap();
+    assert_eq!(on_b.status(), StatusCode::OK);
+    for server in [&a, &b] {
+        let refused = open(server).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(refused.headers().contains_key("retry-after"));
+    }
+    drop(on_a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let again = open(&b).await.unwrap();
+        if again.status() == StatusCode::OK {
+            break;
+        }
+        assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(
+            Instant::now() < deadline,
+            "the closed stream's slot was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(on_b);
+    let (status, _) = call(&client, &b, Method::DELETE, &format!("/v1/sessions/{sid}")).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
 }

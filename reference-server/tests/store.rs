@@ -280,3 +280,55 @@ async fn shared_keys_are_shared() {
         assert_eq!(a.digest().await.unwrap(), digest, "keys are not state");
     }
 }
+
+/// The stream quota holds over every process on the database; a dead process's slots are
+/// freed, and a released slot can be claimed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stream_slots_are_shared_by_processes() {
+    use reference_server::store::SlotClaim;
+    let Some((a, b)) = two_postgres_stores().await else {
+        return;
+    };
+    let held = |c: SlotClaim| match c {
+        SlotClaim::Held(id) => id,
+        other => panic!("expected a slot, got {other:?}"),
+    };
+    let first = held(a.claim_stream_slot("alice", 2).await.unwrap());
+    let _second = held(b.claim_stream_slot("alice", 2).await.unwrap());
+    assert_eq!(
+        a.claim_stream_slot("alice", 2).await.unwrap(),
+        SlotClaim::Full
+    );
+    assert_eq!(
+        b.claim_stream_slot("alice", 2).await.unwrap(),
+        SlotClaim::Full,
+        "the limit counts both processes"
+    );
+    held(b.claim_stream_slot("bob", 2).await.unwrap());
+    a.release_stream_slot(&first).await.unwrap();
+    let _third = held(b.claim_stream_slot("alice", 2).await.unwrap());
+    // A holds one of alice's slots ... and dies: its slot is freed by the next claim.
+    let a_slot = held(a.claim_stream_slot("carol", 1).await.unwrap());
+    assert!(!a_slot.is_empty());
+    drop(a);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match b.claim_stream_slot("carol", 1).await.unwrap() {
+            SlotClaim::Held(_) => break,
+            SlotClaim::Full => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "a dead process's slot was never freed"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            SlotClaim::Local => panic!("PostgreSQL keeps slots in the store"),
+        }
+    }
+    // SQLite serves one process: its count is in memory.
+    let sqlite = SqliteStore::open(None).await.unwrap();
+    assert_eq!(
+        sqlite.claim_stream_slot("alice", 1).await.unwrap(),
+        SlotClaim::Local
+    );
+}

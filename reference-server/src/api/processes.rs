@@ -18,7 +18,7 @@ use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, San
 use crate::sandbox::{ProviderError, Signal};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;
-use crate::stream::sse::{self, Options, SseError, Subject};
+use crate::stream::sse::{self, Options, Subject};
 
 use super::error::ApiError;
 use super::extract::{Caller, IdempotencyKey, Json, Path, QueryPairs};
@@ -415,8 +415,12 @@ pub async fn events(
     let limits = &state.config.limits;
     let slot = state
         .streams
-        .try_acquire(&caller.principal, limits.max_streams_per_principal)
-        .ok_or(SseError::TooManyStreams { retry_after_s: 1 })?;
+        .acquire(
+            &state.store,
+            &caller.principal,
+            limits.max_streams_per_principal,
+        )
+        .await?;
     let stream = process_stream(&rec.id);
     let finished: sse::Finished = {
         let store = Arc::clone(&state.store);

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::api::{ApiError, AppState};
 use crate::defects::Defect;
 use crate::store::{Kind, Scope, StoreError};
-use crate::stream::sse::{self, EventTest, Finished, Options, SseError, Subject};
+use crate::stream::sse::{self, EventTest, Finished, Options, Subject};
 
 use super::core::Gateway;
 use super::http::{Caller, GwError, GwResult};
@@ -166,8 +166,12 @@ async fn sse_response(
     let limits = &state.config.limits;
     let slot = state
         .streams
-        .try_acquire(&caller.principal, limits.max_streams_per_principal)
-        .ok_or(SseError::TooManyStreams { retry_after_s: 1 })?;
+        .acquire(
+            &state.store,
+            &caller.principal,
+            limits.max_streams_per_principal,
+        )
+        .await?;
     let options = Options {
         heartbeat: Duration::from_secs(limits.heartbeat_interval_s),
         max_duration: Duration::from_secs(limits.max_stream_duration_s),

@@ -322,6 +322,29 @@ pub trait Store: Send + Sync + 'static {
     fn foreign_appends(&self) -> Option<tokio::sync::broadcast::Receiver<ForeignAppend>> {
         None
     }
+
+    /// Claims one of `principal`'s `limit` concurrent stream slots across every server process
+    /// sharing the database; slots of processes that died are forgotten first. `Local` when
+    /// the store serves one process (SQLite), whose in-memory count is the whole truth.
+    async fn claim_stream_slot(&self, _principal: &str, _limit: u32) -> Result<SlotClaim> {
+        Ok(SlotClaim::Local)
+    }
+
+    /// Gives back a slot [`Store::claim_stream_slot`] answered `Held` for.
+    async fn release_stream_slot(&self, _id: &str) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The answer of [`Store::claim_stream_slot`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotClaim {
+    /// Only this process streams from the database: nothing is kept in the store.
+    Local,
+    /// A slot kept in the store under this ID until released.
+    Held(String),
+    /// Every slot of the principal is taken.
+    Full,
 }
 
 /// A stored shared key (hex) back to bytes.

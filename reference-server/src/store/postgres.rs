@@ -18,8 +18,8 @@ use super::rows::{
     RawEvent, RawIdem, RawRecord, RawStream, Snapshot, json_text, list_query, micros,
 };
 use super::{
-    Event, ForeignAppend, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError,
-    StoreLock, StreamBounds,
+    Event, ForeignAppend, IdemClaim, Kind, ListQuery, Record, Result, Scope, SlotClaim, Store,
+    StoreError, StoreLock, StreamBounds,
 };
 
 /// How long a request waits for a connection. While the database is down, every request
@@ -156,6 +156,13 @@ fn migrator() -> Migrator {
             "server keys".into(),
             MigrationType::Simple,
             include_str!("../../migrations/postgres/0002_server_keys.sql").into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            3,
+            "stream slots".into(),
+            MigrationType::Simple,
+            include_str!("../../migrations/postgres/0003_stream_slots.sql").into_sql_str(),
             false,
         ),
     ])
@@ -538,6 +545,53 @@ impl Store for PostgresStore {
 
     fn foreign_appends(&self) -> Option<broadcast::Receiver<ForeignAppend>> {
         Some(self.appends.subscribe())
+    }
+
+    async fn claim_stream_slot(&self, principal: &str, limit: u32) -> Result<SlotClaim> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('stream_slots:' || $1, 0))")
+            .bind(principal)
+            .execute(&mut *tx)
+            .await?;
+        // Slots of server processes whose instance lock is gone (they died) are free again.
+        sqlx::query(
+            "DELETE FROM stream_slots s WHERE s.principal = $1 AND s.instance <> $2 \
+             AND NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND l.classid::int8 = $3 AND l.objid::int8 = ('x' || s.instance)::bit(32)::int8 \
+               AND l.objsubid = 2)",
+        )
+        .bind(principal)
+        .bind(&self.instance)
+        .bind(i64::from(INSTANCE_LOCKS))
+        .execute(&mut *tx)
+        .await?;
+        let held: i64 = sqlx::query("SELECT count(*) FROM stream_slots WHERE principal = $1")
+            .bind(principal)
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get(0)?;
+        if held >= i64::from(limit) {
+            tx.commit().await?;
+            return Ok(SlotClaim::Full);
+        }
+        let id = ulid::Ulid::new().to_string();
+        sqlx::query("INSERT INTO stream_slots (id, principal, instance) VALUES ($1, $2, $3)")
+            .bind(&id)
+            .bind(principal)
+            .bind(&self.instance)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(SlotClaim::Held(id))
+    }
+
+    async fn release_stream_slot(&self, id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM stream_slots WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     async fn digest(&self) -> Result<String> {

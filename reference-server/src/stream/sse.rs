@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Event, Store, StoreError};
+use crate::store::{Event, SlotClaim, Store, StoreError};
 
 use super::EventLog;
 
@@ -81,7 +81,30 @@ impl StreamSlots {
         Some(StreamSlot {
             slots: Arc::clone(self),
             principal: principal.to_owned(),
+            shared: None,
         })
+    }
+
+    /// A slot for `principal`: in this process ([`StreamSlots::try_acquire`]), and, when the
+    /// store is shared by several server processes, in the store too, so that the limit holds
+    /// over all of them. `TooManyStreams` when either is full.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        store: &Arc<dyn Store>,
+        principal: &str,
+        limit: u32,
+    ) -> Result<StreamSlot, SseError> {
+        let full = || SseError::TooManyStreams { retry_after_s: 1 };
+        let mut slot = self.try_acquire(principal, limit).ok_or_else(full)?;
+        if self.unenforced {
+            return Ok(slot);
+        }
+        match store.claim_stream_slot(principal, limit).await? {
+            SlotClaim::Local => {}
+            SlotClaim::Held(id) => slot.shared = Some((Arc::clone(store), id)),
+            SlotClaim::Full => return Err(full()),
+        }
+        Ok(slot)
     }
 
     /// How many streams `principal` holds now.
@@ -91,15 +114,33 @@ impl StreamSlots {
     }
 }
 
-/// One held stream slot; dropping it frees the slot.
-#[derive(Debug)]
+/// One held stream slot; dropping it frees the slot (the store's at once, in the background).
 pub struct StreamSlot {
     slots: Arc<StreamSlots>,
     principal: String,
+    shared: Option<(Arc<dyn Store>, String)>,
+}
+
+impl std::fmt::Debug for StreamSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSlot")
+            .field("principal", &self.principal)
+            .field("shared", &self.shared.as_ref().map(|(_, id)| id))
+            .finish()
+    }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
+        if let Some((store, id)) = self.shared.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move {
+                if let Err(e) = store.release_stream_slot(&id).await {
+                    tracing::warn!(error = %e, "could not release a stream slot");
+                }
+            });
+        }
         let mut open = self.slots.open.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(count) = open.get_mut(&self.principal) {
             *count = count.saturating_sub(1);
