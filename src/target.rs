@@ -468,7 +468,7 @@ pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "--retention",
     "result_s=3",
     "--retention",
-    "events_s=20",
+    "events_s=60",
 ];
 
 /// A running reference server child process; stopped when dropped.
