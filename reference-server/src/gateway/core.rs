@@ -231,13 +231,15 @@ impl Gateway {
         }
     }
 
-    /// The session's submissions in acceptance order, optionally in one state.
-    pub async fn submissions(
+    /// The session's children of `kind` (submissions, operations) with their decoded bodies,
+    /// in creation order, optionally in one state.
+    async fn children<T: serde::de::DeserializeOwned>(
         &self,
+        kind: Kind,
         sid: &str,
         state: Option<&str>,
-    ) -> GwResult<Vec<(Record, SubmissionDoc)>> {
-        let mut q = ListQuery::new(Kind::Submission, Scope::System);
+    ) -> GwResult<Vec<(Record, T)>> {
+        let mut q = ListQuery::new(kind, Scope::System);
         q.parent = Some(sid);
         q.state = state;
         let recs = self.state.store.list(&q).await?;
@@ -247,6 +249,15 @@ impl Gateway {
                 Ok((r, d))
             })
             .collect()
+    }
+
+    /// The session's submissions in acceptance order, optionally in one state.
+    pub async fn submissions(
+        &self,
+        sid: &str,
+        state: Option<&str>,
+    ) -> GwResult<Vec<(Record, SubmissionDoc)>> {
+        self.children(Kind::Submission, sid, state).await
     }
 
     pub async fn active_submission(&self, sid: &str) -> GwResult<Option<(Record, SubmissionDoc)>> {
@@ -263,16 +274,7 @@ impl Gateway {
         sid: &str,
         state: Option<&str>,
     ) -> GwResult<Vec<(Record, OperationDoc)>> {
-        let mut q = ListQuery::new(Kind::Operation, Scope::System);
-        q.parent = Some(sid);
-        q.state = state;
-        let recs = self.state.store.list(&q).await?;
-        recs.into_iter()
-            .map(|r| {
-                let d = decode(&r)?;
-                Ok((r, d))
-            })
-            .collect()
+        self.children(Kind::Operation, sid, state).await
     }
 
     pub async fn session_view(&self, loaded: &Loaded) -> GwResult<Value> {

@@ -161,23 +161,34 @@ async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Creat
     Ok(created)
 }
 
+/// The caller's object of `kind` whose IDs start with `prefix`, decoded, or 404.
+async fn owned<T: serde::de::DeserializeOwned>(
+    gw: &Gateway,
+    kind: Kind,
+    prefix: &str,
+    principal: &str,
+    id: &str,
+) -> GwResult<(Record, T)> {
+    if !plausible_id(id, prefix) {
+        return Err(ApiError::NotFound.into());
+    }
+    let rec = gw
+        .state
+        .store
+        .get(kind, Scope::Owner(principal), id)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    let doc = decode(&rec)?;
+    Ok((rec, doc))
+}
+
 /// The caller's submission, or 404.
 pub(super) async fn owned_submission(
     gw: &Gateway,
     principal: &str,
     id: &str,
 ) -> GwResult<(Record, SubmissionDoc)> {
-    if !plausible_id(id, "sub_") {
-        return Err(ApiError::NotFound.into());
-    }
-    let rec = gw
-        .state
-        .store
-        .get(Kind::Submission, Scope::Owner(principal), id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
-    let doc = decode(&rec)?;
-    Ok((rec, doc))
+    owned(gw, Kind::Submission, "sub_", principal, id).await
 }
 
 pub async fn get(
@@ -432,17 +443,7 @@ async fn owned_operation(
     principal: &str,
     id: &str,
 ) -> GwResult<(Record, OperationDoc)> {
-    if !plausible_id(id, "op_") {
-        return Err(ApiError::NotFound.into());
-    }
-    let rec = gw
-        .state
-        .store
-        .get(Kind::Operation, Scope::Owner(principal), id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
-    let doc = decode(&rec)?;
-    Ok((rec, doc))
+    owned(gw, Kind::Operation, "op_", principal, id).await
 }
 
 pub async fn list_operations(
