@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::Extension;
 use axum::body::Body;
-use axum::extract::{OriginalUri, State};
+use axum::extract::{FromRequest, FromRequestParts, OriginalUri, State};
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -80,8 +80,46 @@ async fn authenticate(
     Ok(Authed { body })
 }
 
-fn parse<T: DeserializeOwned>(a: &Authed) -> GwResult<T> {
-    Ok(parse_json(&a.body)?)
+/// A bridge request's body parsed as `T`, taken only after [`authenticate`] passed. As the
+/// last extractor of a handler, after its path parameters (404 for a bad path comes first).
+pub struct Signed<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<AppState> for Signed<T> {
+    type Rejection = GwError;
+
+    async fn from_request(req: axum::extract::Request, state: &AppState) -> GwResult<Self> {
+        let (mut parts, body) = req.into_parts();
+        let params =
+            axum::extract::Path::<Vec<(String, String)>>::from_request_parts(&mut parts, state)
+                .await
+                .map_err(|_| ApiError::NotFound)?;
+        let sid = params
+            .0
+            .into_iter()
+            .find(|(name, _)| name == "id")
+            .map(|(_, value)| value)
+            .ok_or(ApiError::NotFound)?;
+        let gw = parts
+            .extensions
+            .get::<Arc<Gateway>>()
+            .cloned()
+            .ok_or_else(|| GwError::internal("the gateway is not installed"))?;
+        let uri = parts
+            .extensions
+            .get::<OriginalUri>()
+            .map_or_else(|| parts.uri.clone(), |u| u.0.clone());
+        let authed = authenticate(
+            state,
+            &gw,
+            &sid,
+            &parts.method,
+            &target(&uri),
+            &parts.headers,
+            body,
+        )
+        .await?;
+        Ok(Signed(parse_json(&authed.body)?))
+    }
 }
 
 /// The session, locked, after authentication (403 if it vanished meanwhile).
@@ -125,13 +163,8 @@ pub async fn take_lease(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<TakeLease>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: TakeLease = parse(&authed)?;
     let rt = gw.rt(&sid);
     let (_guard, mut loaded) = locked(&gw, &rt, &sid).await?;
     if loaded.doc.state == "deleting" {
@@ -172,16 +205,10 @@ pub struct Generation {
 }
 
 pub async fn heartbeat(
-    State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<Generation>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: Generation = parse(&authed)?;
     let rt = gw.rt(&sid);
     let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     rt.live().lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
@@ -208,13 +235,8 @@ pub async fn next(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<Generation>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: Generation = parse(&authed)?;
     let rt = gw.rt(&sid);
     let (_guard, loaded) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     if loaded.doc.state != "active" {
@@ -285,16 +307,10 @@ pub struct StartOperation {
 }
 
 pub async fn start_operation(
-    State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<StartOperation>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: StartOperation = parse(&authed)?;
     if req.kind != "model_call" && req.kind != "tool_call" {
         return Err(GwError::invalid(
             "kind",
@@ -361,16 +377,10 @@ pub struct CompleteOperation {
 }
 
 pub async fn complete_operation(
-    State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathIds((sid, op_id)): PathIds,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<CompleteOperation>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: CompleteOperation = parse(&authed)?;
     if !["succeeded", "failed", "cancelled"].contains(&req.state.as_str()) {
         return Err(GwError::invalid(
             "state",
@@ -419,16 +429,10 @@ pub struct Output {
 }
 
 pub async fn output(
-    State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<Output>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: Output = parse(&authed)?;
     if !["assistant", "stdout", "stderr"].contains(&req.stream.as_str()) {
         return Err(GwError::invalid(
             "stream",
@@ -464,16 +468,10 @@ pub struct CompleteSubmission {
 }
 
 pub async fn complete_submission(
-    State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathIds((sid, sub_id)): PathIds,
-    method: Method,
-    OriginalUri(uri): OriginalUri,
-    headers: HeaderMap,
-    body: Body,
+    Signed(req): Signed<CompleteSubmission>,
 ) -> GwResult<Response> {
-    let authed = authenticate(&state, &gw, &sid, &method, &target(&uri), &headers, body).await?;
-    let req: CompleteSubmission = parse(&authed)?;
     if !["completed", "failed", "cancelled"].contains(&req.state.as_str()) {
         return Err(GwError::invalid(
             "state",
