@@ -1,9 +1,12 @@
-//! Scenario files: the model, `{{var}}` templates, and the strict parser.
+//! Scenario files: the model, `{{var}}` templates, the strict parser, and the protocol
+//! clauses a scenario may cite.
 
+mod clauses;
 mod model;
 mod parse;
 mod template;
 
+pub use clauses::{Clause, PROTOCOL_MD, clause, must_clauses, parse_clauses, protocol_clauses};
 pub use model::*;
 pub use parse::{
     CAPABILITIES, LIMIT_KEYS, LoadedScenario, MAX_SLEEP_MS, ParseError, RETENTION_KEYS, load_dir,

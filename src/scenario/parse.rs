@@ -255,26 +255,37 @@ impl Checker<'_> {
                 format!("scenario id `{}` must look like `SBX-LIFE-001`", s.id.value),
             );
         }
-        let clause_re = Regex::new(
-            r"^(CONV|AUTH|ERR|ID|IDEM|LIST|META|SBX|PRC|FILE|PRV|SSE|SES|SUB|OPR|WRK|UNC|TC)-[0-9]+\.[0-9]+$",
-        )
-        .expect("static regex");
         if s.clauses.is_empty() {
             self.err(
                 Pos::of(&s.id),
                 "`clauses` must name at least one protocol clause",
             );
         }
-        for clause in &s.clauses {
-            if !clause_re.is_match(&clause.value) {
-                self.err(
-                    Pos::of(clause),
+        for c in &s.clauses {
+            match super::clauses::clause(&c.value) {
+                None => self.err(
+                    Pos::of(c),
                     format!(
-                        "clause `{}` must look like `SBX-3.4` with a known area",
-                        clause.value
+                        "clause `{}` is not a clause of docs/protocol.md (IDs look like `SBX-3.4`)",
+                        c.value
                     ),
-                );
+                ),
+                Some(known) if known.withdrawn => self.err(
+                    Pos::of(c),
+                    format!("clause `{}` is withdrawn in docs/protocol.md", c.value),
+                ),
+                Some(_) => {}
             }
+        }
+        let cites_must = s
+            .clauses
+            .iter()
+            .any(|c| super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must));
+        if s.level == Level::Must && !s.clauses.is_empty() && !cites_must {
+            self.err(
+                Pos::of(&s.clauses[0]),
+                "a MUST scenario must cite at least one MUST clause",
+            );
         }
         let requires: BTreeSet<&str> = s.requires.iter().map(|r| r.value.as_str()).collect();
         for cap in &s.requires {
@@ -332,8 +343,10 @@ impl Checker<'_> {
         match step {
             Step::Request(r) => self.request(r, scope, ctx, false),
             Step::Poll(p) => {
-                self.request(&p.request, scope, ctx, false);
+                // The poll's deadline is computed before its request is first sent, so it
+                // cannot use what that request captures.
                 self.num(&p.within_s, scope, ctx);
+                self.request(&p.request, scope, ctx, false);
             }
             Step::Sse(sse) => {
                 self.via(sse.via, sse.path.pos, ctx);
@@ -388,6 +401,13 @@ impl Checker<'_> {
                 }
                 scope.digests.insert(d.into.value.clone());
             }
+            Step::ExpectDigestUnchanged(since) if ctx.cleanup => self.err(
+                Pos::of(&since.since),
+                format!(
+                    "`expect_digest_unchanged` cannot be a cleanup step: digest `{}` may never have been taken (steps stop at the first failure, every cleanup step runs)",
+                    since.since.value
+                ),
+            ),
             Step::ExpectDigestUnchanged(since) => {
                 if !scope.digests.contains(&since.since.value) {
                     self.err(
@@ -399,6 +419,13 @@ impl Checker<'_> {
             Step::Snapshot(snap) => {
                 scope.snapshots.insert(snap.into.value.clone());
             }
+            Step::ExpectSnapshotUnchanged(since) if ctx.cleanup => self.err(
+                Pos::of(&since.since),
+                format!(
+                    "`expect_snapshot_unchanged` cannot be a cleanup step: snapshot `{}` may never have been taken (steps stop at the first failure, every cleanup step runs)",
+                    since.since.value
+                ),
+            ),
             Step::ExpectSnapshotUnchanged(since) => {
                 if !scope.snapshots.contains(&since.since.value) {
                     self.err(

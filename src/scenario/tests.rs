@@ -129,7 +129,69 @@ fn unknown_limit() {
 fn bad_id_and_clause() {
     let text = "id: sbx-1\ntitle: t\nclauses: [SBX3]\nlevel: SHOULD\nsteps:\n  - sleep: {ms: 1}\n";
     check_err(text, "bad.yaml:1:5: scenario id `sbx-1`");
-    check_err(text, "bad.yaml:3:11: clause `SBX3`");
+    check_err(
+        text,
+        "bad.yaml:3:11: clause `SBX3` is not a clause of docs/protocol.md",
+    );
+}
+
+#[test]
+fn clauses_must_exist_in_the_protocol() {
+    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1, SBX-3.999]\nlevel: SHOULD\nsteps:\n  - sleep: {ms: 1}\n";
+    check_err(
+        text,
+        "bad.yaml:3:20: clause `SBX-3.999` is not a clause of docs/protocol.md",
+    );
+    // SBX-3.13 is a SHOULD clause: a MUST scenario needs a MUST one.
+    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.13]\nlevel: MUST\ndefects: [ttl-not-enforced]\nsteps:\n  - sleep: {ms: 1}\n";
+    check_err(
+        text,
+        "bad.yaml:3:11: a MUST scenario must cite at least one MUST clause",
+    );
+    let text = text.replace("SBX-3.13]", "SBX-3.13, SBX-3.1]");
+    parse_str(Path::new("ok.yaml"), &text).expect("a MUST clause beside a SHOULD one is fine");
+}
+
+/// A comparison in `cleanup` may find no digest or snapshot: steps stop at their first
+/// failure and cleanup runs anyway. The parser refuses it rather than the run failing there.
+#[test]
+fn cleanup_cannot_compare_with_a_digest_that_may_not_exist() {
+    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: SHOULD\nrequires: [test_controls]\n\
+        steps:\n  - digest: {into: before}\n  - snapshot: {into: owned}\n  - sleep: {ms: 1}\n\
+        cleanup:\n  - expect_digest_unchanged: {since: before}\n  - expect_snapshot_unchanged: {since: owned}\n";
+    check_err(
+        text,
+        "bad.yaml:11:38: `expect_digest_unchanged` cannot be a cleanup step: digest `before` may never have been taken",
+    );
+    check_err(
+        text,
+        "bad.yaml:12:40: `expect_snapshot_unchanged` cannot be a cleanup step: snapshot `owned` may never have been taken",
+    );
+    // The same comparisons as steps are fine: a step runs only if every earlier one passed.
+    let steps = text
+        .replace("  - sleep: {ms: 1}\ncleanup:\n", "")
+        .replace("cleanup:", "");
+    parse_str(Path::new("ok.yaml"), &steps).expect("comparisons in steps parse");
+}
+
+#[test]
+fn a_snapshot_comparison_needs_an_earlier_snapshot() {
+    let text = header(
+        "steps:\n  - expect_snapshot_unchanged: {since: owned}\n  - snapshot: {into: owned}\n",
+    );
+    check_err(&text, "bad.yaml:6:40: no earlier `snapshot` named `owned`");
+}
+
+/// A poll's deadline is computed before its request is first sent.
+#[test]
+fn a_poll_deadline_cannot_use_what_the_poll_captures() {
+    let text = header(
+        "steps:\n  - poll:\n      request:\n        method: GET\n        path: /v1/x\n        capture: {wait: {json: /n}}\n      within_s: wait\n",
+    );
+    check_err(
+        &text,
+        "bad.yaml:11:17: unknown variable `wait`: not built in and not captured by an earlier step",
+    );
 }
 
 #[test]
