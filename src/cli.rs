@@ -23,7 +23,8 @@ use crate::target::{ReferenceOptions, Target, TargetError};
 pub const EXIT_CONFORMANT: u8 = 0;
 /// Exit code: the profile is partial or non-conformant.
 pub const EXIT_NOT_CONFORMANT: u8 = 1;
-/// Exit code: bad flags or a broken scenario file.
+/// Exit code: bad flags (`--certify` with a narrowed selection among them) or a broken
+/// scenario file.
 pub const EXIT_USAGE: u8 = 2;
 /// Exit code: the harness could not do its job (target unreachable, server would not start).
 pub const EXIT_HARNESS: u8 = 3;
@@ -33,7 +34,8 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 const EXIT_CODES_HELP: &str = "Exit codes:
   0  conformant: every MUST scenario of the profile ran and passed
   1  not conformant: a MUST scenario failed, was skipped, or none ran
-  2  usage error: bad flags or a broken scenario file
+  2  usage error: bad flags (--certify with --filter, --shard or --profile) or a
+     broken scenario file
   3  harness error: target unreachable, reference server would not start,
      or a scenario the harness could not judge
   130  interrupted (Ctrl-C): running scenarios finished and cleaned up, evidence
@@ -94,7 +96,8 @@ pub struct RunArgs {
     /// Write JUnit XML to this file.
     #[arg(long, value_name = "FILE")]
     pub junit: Option<PathBuf>,
-    /// Certification run: no filters, no shards, and any skip makes the run non-conformant.
+    /// Certification run: the whole catalog (no --filter, --shard or --profile), and any skip
+    /// makes the run non-conformant.
     #[arg(long)]
     pub certify: bool,
     /// Re-run a failed scenario up to N times; a later pass is reported FLAKY.
@@ -369,9 +372,9 @@ impl From<TargetError> for RunError {
 }
 
 async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
-    if args.certify && (!args.filter.is_empty() || args.shard.is_some()) {
+    if args.certify && (!args.filter.is_empty() || args.shard.is_some() || args.profile != "all") {
         return Err(RunError::Usage(
-            "--certify runs the whole catalog: drop --filter and --shard".into(),
+            "--certify runs the whole catalog: drop --filter, --shard and --profile".into(),
         ));
     }
     // Check the overrides before anything starts.
@@ -399,6 +402,21 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     if selected.is_empty() {
         return Err(RunError::Usage("no scenario selected".into()));
     }
+    // What the verdicts speak for: the selection out of the catalog, family by family.
+    let per_family = |list: &[LoadedScenario]| {
+        let mut counts: std::collections::BTreeMap<String, usize> =
+            families.iter().map(|f| ((*f).to_owned(), 0)).collect();
+        for s in list {
+            *counts.entry(s.family.clone()).or_default() += 1;
+        }
+        counts
+    };
+    let mut facts = crate::report::RunFacts {
+        certify: args.certify,
+        never_ran: 0,
+        selected: per_family(&selected),
+        catalog: per_family(&all),
+    };
     let started_at = now_rfc3339();
     let started = Instant::now();
     let (target, kind) = match &args.target {
@@ -544,20 +562,8 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             }
         );
     }
-    let mut profiles = RunReport::judge(&scenarios, args.certify);
-    if interrupted {
-        // What never ran was not judged: an interrupted run claims no conformance.
-        for p in profiles
-            .iter_mut()
-            .filter(|p| p.verdict == Verdict::Conformant)
-        {
-            p.verdict = Verdict::Partial;
-            p.reason = Some(format!(
-                "interrupted: {} selected scenario(s) never ran",
-                not_run.len()
-            ));
-        }
-    }
+    facts.never_ran = not_run.len();
+    let profiles = RunReport::judge(&scenarios, &facts);
     let report = RunReport {
         run_id,
         suite_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -765,13 +771,13 @@ impl Progress {
 fn print_summary(report: &RunReport) {
     println!();
     println!(
-        "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
+        "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}  scope",
         "profile", "verdict", "PASS", "FLAKY", "SKIP", "FAIL", "ERROR", "MUST"
     );
     for p in &report.profiles {
         let c = |k: &str| p.counts.get(k).copied().unwrap_or(0);
         println!(
-            "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}",
+            "{:<14} {:<16} {:>5} {:>5} {:>5} {:>5} {:>5} {:>5}  {}",
             p.profile,
             p.verdict.to_string(),
             c("PASS"),
@@ -779,12 +785,20 @@ fn print_summary(report: &RunReport) {
             c("SKIP"),
             c("FAIL"),
             c("ERROR"),
-            p.must_run
+            p.must_run,
+            p.scope
+                .qualifier()
+                .unwrap_or_else(|| format!("catalog: {} scenarios", p.scope.catalog))
         );
     }
-    for p in report.profiles.iter().filter(|p| p.profile == "all") {
+    for p in report
+        .profiles
+        .iter()
+        .filter(|p| p.profile == crate::report::ALL)
+    {
+        println!("\n{}: {}", p.profile, p.line());
         if let Some(reason) = &p.reason {
-            println!("\n{}: {reason}", p.verdict);
+            println!("{}: {reason}", p.verdict);
         }
     }
     let failed: Vec<&str> = report

@@ -55,19 +55,57 @@ impl ScenarioReport {
 pub enum Verdict {
     /// Every MUST scenario ran and passed on its first attempt.
     Conformant,
-    /// No MUST failed, but one was skipped or passed only on retry.
+    /// No MUST failed, but one was skipped or passed only on retry, or the run was stopped
+    /// before every selected scenario ran.
     Partial,
     /// A MUST failed or errored, no MUST ran at all, or (with `--certify`) something skipped.
     NonConformant,
 }
 
-impl std::fmt::Display for Verdict {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl Verdict {
+    /// The word the receipt and every report use.
+    pub fn as_str(self) -> &'static str {
+        match self {
             Verdict::Conformant => "conformant",
             Verdict::Partial => "partial",
             Verdict::NonConformant => "non-conformant",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How much of the catalog a verdict speaks for: the scenarios the selection (`--profile`,
+/// `--filter`, `--shard`) chose, out of those the catalog holds, both within the profile.
+/// Scenarios left out as not applicable, or never run after an interruption, were selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Scope {
+    pub selected: usize,
+    pub catalog: usize,
+}
+
+impl Scope {
+    /// The verdict covers only part of the catalog and must say so.
+    pub fn is_subset(&self) -> bool {
+        self.selected < self.catalog
+    }
+
+    /// `subset: 3 of 95 scenarios`, or nothing for the whole catalog.
+    pub fn qualifier(&self) -> Option<String> {
+        self.is_subset()
+            .then(|| format!("subset: {} of {} scenarios", self.selected, self.catalog))
+    }
+}
+
+/// A verdict with its scope: `conformant`, or `conformant (subset: 3 of 95 scenarios)`.
+pub fn verdict_line(verdict: &str, scope: Scope) -> String {
+    match scope.qualifier() {
+        Some(q) => format!("{verdict} ({q})"),
+        None => verdict.to_owned(),
     }
 }
 
@@ -79,42 +117,121 @@ pub struct ProfileVerdict {
     pub reason: Option<String>,
     pub counts: BTreeMap<&'static str, usize>,
     pub must_run: usize,
+    pub scope: Scope,
 }
 
-/// Judges the scenarios of one profile.
-pub fn verdict(profile: &str, scenarios: &[&ScenarioReport], certify: bool) -> ProfileVerdict {
+impl ProfileVerdict {
+    /// The verdict as printed: `conformant (subset: 3 of 95 scenarios)`.
+    pub fn line(&self) -> String {
+        verdict_line(self.verdict.as_str(), self.scope)
+    }
+}
+
+/// One scenario as the verdict rules see it. The receipt holds exactly this much of every
+/// scenario, so `evidence verify` can judge a run folder again with the same rules.
+#[derive(Debug, Clone, Copy)]
+pub struct Judged<'a> {
+    pub id: &'a str,
+    pub family: &'a str,
+    pub level: Level,
+    pub outcome: Label,
+}
+
+/// An outcome without its details: what a verdict depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Label {
+    Pass,
+    Flaky,
+    Skip,
+    Fail,
+    Error,
+}
+
+impl Label {
+    pub fn of(outcome: &Outcome) -> Label {
+        match outcome {
+            Outcome::Pass => Label::Pass,
+            Outcome::Flaky { .. } => Label::Flaky,
+            Outcome::Skip { .. } => Label::Skip,
+            Outcome::Fail { .. } => Label::Fail,
+            Outcome::Error { .. } => Label::Error,
+        }
+    }
+
+    /// `PASS`, `FLAKY`, ...: the keys of a profile's counts.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Label::Pass => "PASS",
+            Label::Flaky => "FLAKY",
+            Label::Skip => "SKIP",
+            Label::Fail => "FAIL",
+            Label::Error => "ERROR",
+        }
+    }
+}
+
+/// What the verdicts depend on besides the scenario outcomes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunFacts {
+    /// `--certify`: any skip is non-conformant.
+    pub certify: bool,
+    /// Selected scenarios that never ran (the run was interrupted).
+    pub never_ran: usize,
+    /// Scenarios the selection chose, per family (not-applicable and never-run ones included).
+    pub selected: BTreeMap<String, usize>,
+    /// Scenarios of the whole catalog, per family.
+    pub catalog: BTreeMap<String, usize>,
+}
+
+impl RunFacts {
+    /// A run of the whole catalog that consisted of exactly these scenarios.
+    pub fn whole_catalog<'a>(families: impl IntoIterator<Item = &'a str>) -> RunFacts {
+        let mut selected: BTreeMap<String, usize> = BTreeMap::new();
+        for f in families {
+            *selected.entry(f.to_owned()).or_default() += 1;
+        }
+        RunFacts {
+            catalog: selected.clone(),
+            selected,
+            ..RunFacts::default()
+        }
+    }
+
+    fn scope(&self, family: Option<&str>) -> Scope {
+        let count = |m: &BTreeMap<String, usize>| match family {
+            Some(f) => m.get(f).copied().unwrap_or(0),
+            None => m.values().sum(),
+        };
+        Scope {
+            selected: count(&self.selected),
+            catalog: count(&self.catalog),
+        }
+    }
+}
+
+/// Judges the scenarios of one profile. The verdict rules live here and nowhere else: the
+/// run, and `evidence verify` re-judging a folder, both call it.
+pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> ProfileVerdict {
     let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
     for s in scenarios {
-        *counts.entry(s.outcome.label()).or_default() += 1;
+        *counts.entry(s.outcome.as_str()).or_default() += 1;
     }
-    let musts: Vec<_> = scenarios
+    let ids = |level: Option<Level>, labels: &[Label]| -> Vec<&str> {
+        scenarios
+            .iter()
+            .filter(|s| level.is_none_or(|l| s.level == l) && labels.contains(&s.outcome))
+            .map(|s| s.id)
+            .collect()
+    };
+    let must = Some(Level::Must);
+    let must_run = scenarios
         .iter()
-        .filter(|s| s.level == Level::Must)
-        .collect();
-    let must_run = musts
-        .iter()
-        .filter(|s| !matches!(s.outcome, Outcome::Skip { .. }))
+        .filter(|s| s.level == Level::Must && s.outcome != Label::Skip)
         .count();
-    let failed: Vec<&str> = musts
-        .iter()
-        .filter(|s| matches!(s.outcome, Outcome::Fail { .. } | Outcome::Error { .. }))
-        .map(|s| s.id.as_str())
-        .collect();
-    let skipped: Vec<&str> = scenarios
-        .iter()
-        .filter(|s| matches!(s.outcome, Outcome::Skip { .. }))
-        .map(|s| s.id.as_str())
-        .collect();
-    let must_skipped: Vec<&str> = musts
-        .iter()
-        .filter(|s| matches!(s.outcome, Outcome::Skip { .. }))
-        .map(|s| s.id.as_str())
-        .collect();
-    let flaky: Vec<&str> = musts
-        .iter()
-        .filter(|s| matches!(s.outcome, Outcome::Flaky { .. }))
-        .map(|s| s.id.as_str())
-        .collect();
+    let failed = ids(must, &[Label::Fail, Label::Error]);
+    let skipped = ids(None, &[Label::Skip]);
+    let must_skipped = ids(must, &[Label::Skip]);
+    let flaky = ids(must, &[Label::Flaky]);
     let (verdict, reason) = if !failed.is_empty() {
         (
             Verdict::NonConformant,
@@ -125,7 +242,7 @@ pub fn verdict(profile: &str, scenarios: &[&ScenarioReport], certify: bool) -> P
             Verdict::NonConformant,
             Some("no MUST scenario was executed".to_owned()),
         )
-    } else if certify && !skipped.is_empty() {
+    } else if facts.certify && !skipped.is_empty() {
         (
             Verdict::NonConformant,
             Some(format!("--certify forbids skips: {}", skipped.join(", "))),
@@ -140,6 +257,15 @@ pub fn verdict(profile: &str, scenarios: &[&ScenarioReport], certify: bool) -> P
             Verdict::Partial,
             Some(format!("MUST passed only on retry: {}", flaky.join(", "))),
         )
+    } else if facts.never_ran > 0 {
+        // What never ran was not judged: an interrupted run claims no conformance.
+        (
+            Verdict::Partial,
+            Some(format!(
+                "interrupted: {} selected scenario(s) never ran",
+                facts.never_ran
+            )),
+        )
     } else {
         (Verdict::Conformant, None)
     };
@@ -149,7 +275,25 @@ pub fn verdict(profile: &str, scenarios: &[&ScenarioReport], certify: bool) -> P
         reason,
         counts,
         must_run,
+        scope: facts.scope((profile != ALL).then_some(profile)),
     }
+}
+
+/// The name of the profile that judges every scenario of the run.
+pub const ALL: &str = "all";
+
+/// Per-family verdicts (one per family with a judged scenario, in name order), then `all`.
+pub fn judge(scenarios: &[Judged<'_>], facts: &RunFacts) -> Vec<ProfileVerdict> {
+    let mut families: BTreeMap<&str, Vec<Judged<'_>>> = BTreeMap::new();
+    for s in scenarios {
+        families.entry(s.family).or_default().push(*s);
+    }
+    let mut out: Vec<ProfileVerdict> = families
+        .iter()
+        .map(|(f, list)| verdict(f, list, facts))
+        .collect();
+    out.push(verdict(ALL, scenarios, facts));
+    out
 }
 
 /// Where the run went.
@@ -202,18 +346,21 @@ pub struct NotApplicable {
 
 impl RunReport {
     /// Computes per-family verdicts and the `all` verdict.
-    pub fn judge(scenarios: &[ScenarioReport], certify: bool) -> Vec<ProfileVerdict> {
-        let mut families: BTreeMap<&str, Vec<&ScenarioReport>> = BTreeMap::new();
-        for s in scenarios {
-            families.entry(s.family.as_str()).or_default().push(s);
+    pub fn judge(scenarios: &[ScenarioReport], facts: &RunFacts) -> Vec<ProfileVerdict> {
+        let rows: Vec<Judged<'_>> = scenarios.iter().map(ScenarioReport::judged).collect();
+        judge(&rows, facts)
+    }
+}
+
+impl ScenarioReport {
+    /// What the verdict rules see of this scenario.
+    pub fn judged(&self) -> Judged<'_> {
+        Judged {
+            id: &self.id,
+            family: &self.family,
+            level: self.level,
+            outcome: Label::of(&self.outcome),
         }
-        let mut out: Vec<ProfileVerdict> = families
-            .iter()
-            .map(|(f, list)| verdict(f, list, certify))
-            .collect();
-        let all: Vec<&ScenarioReport> = scenarios.iter().collect();
-        out.push(verdict("all", &all, certify));
-        out
     }
 }
 
@@ -236,7 +383,8 @@ pub fn xml_escape(s: &str) -> String {
 }
 
 /// JUnit XML: one `<testsuite>` per family; failures, errors and skips as JUnit elements;
-/// a flaky pass carries a Surefire-style `<flakyFailure>`.
+/// a flaky pass carries a Surefire-style `<flakyFailure>`. Each suite's `<properties>` give
+/// its family's verdict and the run's, with their scope (`subset: 3 of 95 scenarios`).
 pub fn junit_xml(report: &RunReport) -> String {
     let mut families: BTreeMap<&str, Vec<&ScenarioReport>> = BTreeMap::new();
     for s in &report.scenarios {
@@ -269,6 +417,27 @@ pub fn junit_xml(report: &RunReport) -> String {
             count(list, |o| matches!(o, Outcome::Skip { .. })),
             secs(time)
         );
+        let line = |name: &str| {
+            report
+                .profiles
+                .iter()
+                .find(|p| p.profile == name)
+                .map(ProfileVerdict::line)
+        };
+        x.push_str("    <properties>\n");
+        for (name, value) in [
+            ("sandspec.verdict", line(family)),
+            ("sandspec.run_verdict", line(ALL)),
+        ] {
+            if let Some(value) = value {
+                let _ = writeln!(
+                    x,
+                    "      <property name=\"{name}\" value=\"{}\"/>",
+                    xml_escape(&value)
+                );
+            }
+        }
+        x.push_str("    </properties>\n");
         for s in list {
             let _ = write!(
                 x,
@@ -359,8 +528,12 @@ mod tests {
     #[test]
     fn verdicts() {
         let v = |list: Vec<ScenarioReport>, certify: bool| {
-            let refs: Vec<&ScenarioReport> = list.iter().collect();
-            verdict("p", &refs, certify).verdict
+            let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+            let facts = RunFacts {
+                certify,
+                ..RunFacts::whole_catalog(rows.iter().map(|r| r.family))
+            };
+            verdict("p", &rows, &facts).verdict
         };
         use Level::{Must, Should};
         use Verdict::*;
@@ -438,6 +611,60 @@ mod tests {
     }
 
     #[test]
+    fn an_interrupted_run_is_never_conformant() {
+        let list = [report("A-001", "f", Level::Must, Outcome::Pass)];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let mut facts = RunFacts::whole_catalog(["f", "f"]);
+        facts.never_ran = 1;
+        let all = judge(&rows, &facts).pop().unwrap();
+        assert_eq!(all.verdict, Verdict::Partial);
+        assert_eq!(
+            all.reason.as_deref(),
+            Some("interrupted: 1 selected scenario(s) never ran")
+        );
+        assert_eq!(all.line(), "partial", "never-run scenarios were selected");
+    }
+
+    /// A selection that leaves scenarios out says so in every verdict it narrows; a family
+    /// that ran whole is not a subset even when the run is.
+    #[test]
+    fn a_narrowed_run_is_a_subset_in_every_narrowed_verdict() {
+        let list = [
+            report("A-001", "lifecycle", Level::Must, Outcome::Pass),
+            report("B-001", "auth", Level::Must, Outcome::Pass),
+        ];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let facts = RunFacts {
+            selected: BTreeMap::from([("lifecycle".to_owned(), 1), ("auth".to_owned(), 2)]),
+            catalog: BTreeMap::from([
+                ("lifecycle".to_owned(), 3),
+                ("auth".to_owned(), 2),
+                ("files".to_owned(), 90),
+            ]),
+            ..RunFacts::default()
+        };
+        let profiles = judge(&rows, &facts);
+        let lines: Vec<(&str, String)> = profiles
+            .iter()
+            .map(|p| (p.profile.as_str(), p.line()))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                ("auth", "conformant".to_owned()),
+                (
+                    "lifecycle",
+                    "conformant (subset: 1 of 3 scenarios)".to_owned()
+                ),
+                ("all", "conformant (subset: 3 of 95 scenarios)".to_owned()),
+            ]
+        );
+        let whole = judge(&rows, &RunFacts::whole_catalog(["lifecycle", "auth"]));
+        assert!(whole.iter().all(|p| !p.scope.is_subset()));
+        assert_eq!(whole.last().unwrap().line(), "conformant");
+    }
+
+    #[test]
     fn xml_escaping() {
         assert_eq!(
             xml_escape(r#"a<b>&"c" 'd'"#),
@@ -489,7 +716,10 @@ mod tests {
             shard: None,
             retries: 0,
             certify: false,
-            profiles: RunReport::judge(&scenarios, false),
+            profiles: RunReport::judge(
+                &scenarios,
+                &RunFacts::whole_catalog(scenarios.iter().map(|s| s.family.as_str())),
+            ),
             scenarios,
             run_swept: Vec::new(),
             not_applicable: Vec::new(),

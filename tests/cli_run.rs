@@ -94,6 +94,15 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
         .unwrap();
     assert_eq!(all["verdict"], "conformant");
     assert_eq!(report["scenarios"].as_array().unwrap().len(), 3);
+    // The whole catalog ran: no verdict is a subset.
+    assert_eq!(report["selection"]["subset"], false);
+    assert!(
+        report["profiles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["subset"] == false && p["selected"] == p["catalog"])
+    );
     // The stream scenario recorded its measurements, and eventsource-client read its streams.
     let stream = report["scenarios"]
         .as_array()
@@ -181,6 +190,106 @@ fn list_and_bad_flags() {
     assert!(
         Wrapper::try_parse_from(["run", "--target", "http://x", "--defect", "pause-noop"]).is_err()
     );
+}
+
+/// `--certify` judges the whole catalog: any narrowing is a usage error (exit 2), said
+/// before anything starts.
+#[test]
+fn certify_refuses_every_narrowed_selection() {
+    for narrowing in [
+        &["--filter", "SBX-LIFE"][..],
+        &["--shard", "1/2"],
+        &["--profile", "lifecycle"],
+    ] {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
+            .args(["run", "--certify"])
+            .args(narrowing)
+            .env("CI", "true")
+            .output()
+            .expect("run sandspec");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{narrowing:?}: {stderr}");
+        assert!(
+            stderr.contains(
+                "error: --certify runs the whole catalog: drop --filter, --shard and --profile"
+            ),
+            "{narrowing:?}: {stderr}"
+        );
+    }
+}
+
+/// A run narrowed by `--filter` is conformant for what it ran and says, everywhere, that it
+/// ran a subset; the folder verifies.
+#[test]
+fn a_filtered_run_says_it_is_a_subset() {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = small_catalog(dir.path());
+    let out = dir.path().join("out");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .arg("run")
+        .arg("--scenarios")
+        .arg(&catalog)
+        .args(["--filter", "SBX-LIFE-001"])
+        .arg("--out")
+        .arg(&out)
+        .env("CI", "true")
+        .output()
+        .expect("run sandspec");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert_eq!(
+        run.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        stdout.contains("all: conformant (subset: 1 of 3 scenarios)"),
+        "{stdout}"
+    );
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let p = &receipt["predicate"];
+    assert_eq!(
+        (
+            &p["selection"]["subset"],
+            &p["selection"]["selected"],
+            &p["selection"]["catalog"]
+        ),
+        (&true.into(), &1.into(), &3.into())
+    );
+    let profiles: Vec<(String, String, bool)> = p["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["profile"].as_str().unwrap().to_owned(),
+                format!("{} of {}", p["selected"], p["catalog"]),
+                p["subset"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        profiles,
+        [
+            ("lifecycle".to_owned(), "1 of 2".to_owned(), true),
+            ("all".to_owned(), "1 of 3".to_owned(), true),
+        ]
+    );
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        summary.contains("| all | **conformant** (subset: 1 of 3 scenarios) |")
+            && summary.contains("**Subset.** The selection ran 1 of the catalog's 3 scenarios"),
+        "{summary}"
+    );
+    let junit = std::fs::read_to_string(out.join("junit.xml")).unwrap();
+    assert!(
+        junit.contains(
+            r#"<property name="sandspec.run_verdict" value="conformant (subset: 1 of 3 scenarios)"/>"#
+        ),
+        "{junit}"
+    );
+    assert_eq!(sandspec::evidence::verify_cli(&out), 0);
 }
 
 /// Creates a sandbox as the owner over plain HTTP, returning its ID.

@@ -14,7 +14,7 @@ use sandspec::evidence::{
     WriteOptions, for_tokens, new_canary, normalize, sanitized_report, sha256_hex,
     validate_receipt, verify, verify_cli, write_run_folder,
 };
-use sandspec::report::{RunReport, ScenarioReport, TargetInfo};
+use sandspec::report::{RunFacts, RunReport, ScenarioReport, TargetInfo};
 use sandspec::scenario::{Level, Principal, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
@@ -326,11 +326,16 @@ fn report(canary: &str) -> RunReport {
         shard: None,
         retries: 0,
         certify: false,
-        profiles: RunReport::judge(&scenarios, false),
+        profiles: RunReport::judge(&scenarios, &whole_catalog(&scenarios)),
         scenarios,
         run_swept: Vec::new(),
         not_applicable: Vec::new(),
     }
+}
+
+/// The facts of a run of a whole catalog that holds exactly these scenarios.
+fn whole_catalog(scenarios: &[ScenarioReport]) -> RunFacts {
+    RunFacts::whole_catalog(scenarios.iter().map(|s| s.family.as_str()))
 }
 
 /// Every file of a folder, by relative path.
@@ -709,8 +714,13 @@ fn an_existing_folder_is_not_overwritten() {
 fn an_interrupted_run_says_so_and_lists_what_never_ran() {
     let run = Run::new();
     let mut rep = report(&run.canary);
+    // All four were selected; two never ran.
+    let facts = RunFacts {
+        never_ran: 2,
+        ..whole_catalog(&rep.scenarios)
+    };
     rep.scenarios.truncate(2);
-    rep.profiles = RunReport::judge(&rep.scenarios, false);
+    rep.profiles = RunReport::judge(&rep.scenarios, &facts);
     let options = WriteOptions {
         interrupted: true,
         not_run: vec!["SBX-PAUSE-001".into(), "PRC-STREAM-001".into()],
@@ -883,6 +893,228 @@ fn verify_fails_on_missing_and_unlisted_files_and_inconsistent_counts() {
     );
 }
 
+/// Rewrites `receipt.json` of `dir` with `edit`, then reseals the manifest, so that only the
+/// receipt's own checks can notice.
+fn tamper(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> Vec<Problem> {
+    let path = dir.join("receipt.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    reseal(dir);
+    verify(dir).problems
+}
+
+fn profile<'v>(v: &'v mut serde_json::Value, name: &str) -> &'v mut serde_json::Value {
+    v["predicate"]["profiles"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|p| p["profile"] == name)
+        .unwrap()
+}
+
+/// A verdict that does not follow from the outcomes is refused, even in a receipt that
+/// satisfies the schema and a resealed manifest.
+#[test]
+fn verify_refuses_verdicts_that_do_not_follow_from_the_outcomes() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        let all = profile(v, "all");
+        all["verdict"] = "conformant".into();
+        all["reason"] = serde_json::Value::Null;
+    });
+    assert_eq!(
+        problems,
+        [Problem::Inconsistent(
+            "profile `all`: the receipt says conformant (no reason) but its scenario outcomes give non-conformant (MUST failed: AUTH-NOAUTH-001, PRC-STREAM-001)".into()
+        )]
+    );
+    assert_eq!(verify_cli(&copy_dir), 1);
+
+    // A family's verdict, and its counts, are judged again too.
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        let p = profile(v, "lifecycle");
+        p["verdict"] = "partial".into();
+        p["reason"] = "MUST skipped: SBX-PAUSE-001".into();
+    });
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0]
+            .to_string()
+            .starts_with("receipt inconsistent: profile `lifecycle`: the receipt says partial"),
+        "{problems:?}"
+    );
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        profile(v, "auth")["must_run"] = 0.into();
+    });
+    assert_eq!(problems.len(), 1, "{problems:?}");
+
+    // A profile dropped from the receipt is noticed.
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        v["predicate"]["profiles"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|p| p["profile"] != "processes");
+    });
+    assert_eq!(
+        problems,
+        [Problem::Inconsistent(
+            "profiles are [auth, lifecycle, all] but the scenarios' families give [auth, lifecycle, processes, all]".into()
+        )]
+    );
+}
+
+/// The subset flags must agree with the counts and with the selection flags.
+#[test]
+fn verify_refuses_a_scope_that_does_not_add_up() {
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        v["predicate"]["selection"]["catalog"] = 95.into();
+        v["predicate"]["selection"]["subset"] = true.into();
+    });
+    let shown: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert!(
+        shown.iter().any(|p| p.contains(
+            "selection.subset is true but neither --profile, --filter nor --shard narrowed the run"
+        )),
+        "{shown:?}"
+    );
+    assert!(
+        shown
+            .iter()
+            .any(|p| p.contains("profile `all`: scope 4 of 4 (subset false) does not follow")),
+        "{shown:?}"
+    );
+
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        v["predicate"]["selection"]["selected"] = 3.into();
+    });
+    assert!(
+        problems.contains(&Problem::Inconsistent(
+            "selection.selected is 3 but the receipt accounts for 4 scenarios (reported, not applicable, never run)".into()
+        )),
+        "{problems:?}"
+    );
+}
+
+/// A subset run is written with its scope everywhere and verifies; hiding the subset is
+/// refused.
+#[test]
+fn a_subset_run_says_so_and_cannot_hide_it() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    rep.filters = vec!["0".into()];
+    let mut facts = whole_catalog(&rep.scenarios);
+    *facts.catalog.get_mut("lifecycle").unwrap() += 5;
+    facts.catalog.insert("files".into(), 12);
+    rep.profiles = RunReport::judge(&rep.scenarios, &facts);
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run.write(&rep, &tmp.path().join("r")).unwrap();
+    assert!(verify(&dest).ok(), "{:?}", verify(&dest).problems);
+    let r = receipt(&dest).predicate;
+    assert!(r.selection.subset);
+    assert_eq!((r.selection.selected, r.selection.catalog), (4, 21));
+    let summary = std::fs::read_to_string(dest.join("summary.md")).unwrap();
+    assert!(
+        summary.contains("| all | **non-conformant** (subset: 4 of 21 scenarios) |")
+            && summary.contains("| lifecycle | **conformant** (subset: 2 of 7 scenarios) |")
+            && summary.contains("| auth | **non-conformant** |"),
+        "{summary}"
+    );
+
+    let copy_dir = tmp.path().join("copy");
+    copy(&dest, &copy_dir);
+    let problems = tamper(&copy_dir, |v| {
+        v["predicate"]["selection"]["subset"] = false.into();
+        profile(v, "all")["subset"] = false.into();
+    });
+    let shown: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert_eq!(shown.len(), 2, "{shown:?}");
+    assert!(
+        shown[0].contains("selection.subset is false but 4 of 21 scenarios were selected"),
+        "{shown:?}"
+    );
+}
+
+/// The coverage table lists every MUST clause of docs/protocol.md; claiming a clause was
+/// judged when no scenario cites it is refused.
+#[test]
+fn coverage_lists_every_must_clause_and_cannot_be_inflated() {
+    let (_tmp, dest, copy_dir) = written_and_copy();
+    let c = receipt(&dest).predicate.coverage;
+    let must: Vec<&str> = sandspec::scenario::must_clauses().collect();
+    assert_eq!(c.must_clauses, must.len());
+    assert_eq!(
+        c.clauses
+            .iter()
+            .map(|r| r.clause.as_str())
+            .collect::<Vec<_>>(),
+        must
+    );
+    // Every scenario of the report cites SBX-3.1; only the pass and the fail judged it.
+    let row = c.clauses.iter().find(|r| r.clause == "SBX-3.1").unwrap();
+    assert_eq!(
+        row.scenarios,
+        [
+            "SBX-LIFE-001",
+            "AUTH-NOAUTH-001",
+            "SBX-PAUSE-001",
+            "PRC-STREAM-001"
+        ]
+    );
+    assert!(row.checked);
+    assert_eq!((c.checked, c.unchecked.len()), (1, must.len() - 1));
+    let summary = std::fs::read_to_string(dest.join("summary.md")).unwrap();
+    assert!(
+        summary.contains(&format!(
+            "1 of {} MUST clauses of docs/protocol.md were judged by a scenario of this run",
+            must.len()
+        )) && summary.contains("| CONV-1.1 | **no** | none |"),
+        "{summary}"
+    );
+
+    let problems = tamper(&copy_dir, |v| {
+        let cov = &mut v["predicate"]["coverage"];
+        cov["clauses"][0]["checked"] = true.into();
+        cov["clauses"][0]["scenarios"] = serde_json::json!(["SBX-LIFE-001"]);
+        cov["checked"] = 2.into();
+        cov["unchecked"].as_array_mut().unwrap().remove(0);
+    });
+    assert_eq!(
+        problems,
+        [Problem::Inconsistent(
+            "coverage does not follow from the scenarios' clauses and outcomes (rows CONV-1.1)"
+                .into()
+        )]
+    );
+    // Dropping an unchecked clause from the table altogether is refused as well.
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        let cov = &mut v["predicate"]["coverage"];
+        cov["clauses"].as_array_mut().unwrap().remove(0);
+        cov["unchecked"].as_array_mut().unwrap().remove(0);
+        cov["must_clauses"] = (must.len() - 1).into();
+    });
+    if sandspec::evidence::suite_commit() == "unknown" {
+        // Built without a commit, the verifier cannot tell which clause list a receipt had.
+        assert!(problems.is_empty(), "{problems:?}");
+        return;
+    }
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].to_string().contains(&format!(
+            "coverage lists {} MUST clauses; docs/protocol.md of this suite's commit has {}",
+            must.len() - 1,
+            must.len()
+        )),
+        "{problems:?}"
+    );
+}
+
 #[test]
 fn verify_cli_refuses_a_missing_directory() {
     let tmp = tempfile::tempdir().unwrap();
@@ -943,6 +1175,23 @@ fn the_schema_enforces_the_honesty_rules() {
         }),
         ("a subject without a digest", |v| {
             v["subject"][0]["digest"] = serde_json::json!({})
+        }),
+        ("a certification run of a subset", |v| {
+            v["predicate"]["selection"]["certify"] = true.into();
+            v["predicate"]["selection"]["subset"] = true.into();
+        }),
+        ("a certification run with a filter", |v| {
+            v["predicate"]["selection"]["certify"] = true.into();
+            v["predicate"]["selection"]["filters"] = serde_json::json!(["SBX"]);
+        }),
+        ("a profile without its scope", |v| {
+            v["predicate"]["profiles"][0]
+                .as_object_mut()
+                .unwrap()
+                .remove("subset");
+        }),
+        ("a receipt without clause coverage", |v| {
+            v["predicate"].as_object_mut().unwrap().remove("coverage");
         }),
     ];
     for (what, mutate) in cases {
@@ -1146,7 +1395,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         shard: None,
         retries: 0,
         certify: false,
-        profiles: RunReport::judge(&reports, false),
+        profiles: RunReport::judge(&reports, &whole_catalog(&reports)),
         scenarios: reports,
         run_swept: Vec::new(),
         not_applicable: Vec::new(),
@@ -1297,10 +1546,19 @@ async fn snapshots_of_a_reference_run() {
             .unwrap()
     };
     let pretty = |v: serde_json::Value| serde_json::to_string_pretty(&v).unwrap();
-    insta::assert_snapshot!(
-        "reference_receipt",
-        pretty(normalize(&read("receipt.json"), Some(&run.run_id)))
-    );
+    let mut receipt = normalize(&read("receipt.json"), Some(&run.run_id));
+    // The coverage table has a row for every MUST clause of docs/protocol.md; the snapshot
+    // keeps the rows these scenarios cite and the totals, so that a clause added to the
+    // protocol does not rewrite it. `coverage_lists_every_must_clause_and_cannot_be_inflated`
+    // checks the whole table.
+    let coverage = &mut receipt["predicate"]["coverage"];
+    let unchecked = coverage["unchecked"].as_array().unwrap().len();
+    coverage["unchecked"] = format!("<{unchecked} clauses>").into();
+    coverage["clauses"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|row| !row["scenarios"].as_array().unwrap().is_empty());
+    insta::assert_snapshot!("reference_receipt", pretty(receipt));
     insta::assert_snapshot!(
         "reference_transcript_sbx_life_001",
         pretty(normalize(

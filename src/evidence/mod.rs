@@ -18,10 +18,10 @@ pub use clean::sanitized_report;
 pub use normalize::normalize;
 pub use placeholders::Placeholders;
 pub use receipt::{
-    AbsenceConfirmation, Cleanup, Counts, Digest, Environment, FileRef, Measurement, OutcomeLabel,
-    PREDICATE_TYPE, ProfileResult, Receipt, ResourceDescriptor, STATEMENT_TYPE, SanitizerInfo,
-    ScenarioResult, Selection, Statement, StreamTiming, Subject, SubjectSource, Suite,
-    SweptResource, TargetIdentity, suite_commit,
+    AbsenceConfirmation, ClauseCoverage, Cleanup, Counts, Coverage, Digest, Environment, FileRef,
+    Measurement, OutcomeLabel, PREDICATE_TYPE, ProfileResult, Receipt, ResourceDescriptor,
+    STATEMENT_TYPE, SanitizerInfo, ScenarioResult, Selection, Statement, StreamTiming, Subject,
+    SubjectSource, Suite, SweptResource, TargetIdentity, suite_commit,
 };
 pub use sanitize::{
     Leak, MIN_SECRET_LEN, REDACTED, Sanitizer, SecretError, for_tokens, new_canary,

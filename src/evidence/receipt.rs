@@ -134,6 +134,7 @@ pub struct Receipt {
     pub selection: Selection,
     pub scenarios: Vec<ScenarioResult>,
     pub profiles: Vec<ProfileResult>,
+    pub coverage: Coverage,
     pub counts: Counts,
     pub measurements: Vec<Measurement>,
     pub streams: Vec<StreamTiming>,
@@ -178,6 +179,12 @@ pub struct Selection {
     pub certify: bool,
     /// Selected scenarios left out because they cannot apply to the target, with why.
     pub not_applicable: Vec<crate::report::NotApplicable>,
+    /// Scenarios the selection chose (reported, not applicable and never run alike).
+    pub selected: usize,
+    /// Scenarios in the catalog the selection was made from.
+    pub catalog: usize,
+    /// `selected < catalog`: every verdict of the run speaks for part of the catalog only.
+    pub subset: bool,
 }
 
 /// A scenario's outcome as the receipt spells it.
@@ -195,6 +202,18 @@ pub enum OutcomeLabel {
 }
 
 impl OutcomeLabel {
+    /// What the verdict rules see of this outcome.
+    pub fn judged(self) -> crate::report::Label {
+        use crate::report::Label;
+        match self {
+            OutcomeLabel::Pass => Label::Pass,
+            OutcomeLabel::Flaky => Label::Flaky,
+            OutcomeLabel::Skip => Label::Skip,
+            OutcomeLabel::Fail => Label::Fail,
+            OutcomeLabel::Error => Label::Error,
+        }
+    }
+
     pub fn of(outcome: &Outcome) -> OutcomeLabel {
         match outcome {
             Outcome::Pass => OutcomeLabel::Pass,
@@ -245,6 +264,72 @@ pub struct ProfileResult {
     /// Scenarios per outcome label (`PASS`, `FAIL`, ...).
     pub counts: BTreeMap<String, usize>,
     pub must_run: usize,
+    /// Scenarios of this profile the selection chose, and the catalog holds.
+    pub selected: usize,
+    pub catalog: usize,
+    /// `selected < catalog`: the verdict is `<verdict> (subset: <selected> of <catalog>
+    /// scenarios)`.
+    pub subset: bool,
+}
+
+/// Which MUST clauses of `docs/protocol.md` the run's scenarios check.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Coverage {
+    /// MUST clauses in force in the protocol the suite was built with.
+    pub must_clauses: usize,
+    /// Clauses that at least one scenario of the run judged (it passed, was flaky or failed;
+    /// a skip or a harness error judged nothing).
+    pub checked: usize,
+    /// Every MUST clause, in protocol order.
+    pub clauses: Vec<ClauseCoverage>,
+    /// The MUST clauses no scenario of the run checked, in protocol order.
+    pub unchecked: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClauseCoverage {
+    pub clause: String,
+    /// Scenarios of the run that cite the clause, in the order of `scenarios`.
+    pub scenarios: Vec<String>,
+    /// One of them judged the clause: its outcome is `pass`, `flaky` or `fail`.
+    pub checked: bool,
+}
+
+impl Coverage {
+    /// Coverage of `must` (clause IDs in protocol order) by the scenarios' citations.
+    pub fn of<'a>(must: impl IntoIterator<Item = &'a str>, scenarios: &[ScenarioResult]) -> Self {
+        let clauses: Vec<ClauseCoverage> = must
+            .into_iter()
+            .map(|clause| {
+                let citing: Vec<&ScenarioResult> = scenarios
+                    .iter()
+                    .filter(|s| s.clauses.iter().any(|c| c == clause))
+                    .collect();
+                ClauseCoverage {
+                    clause: clause.to_owned(),
+                    scenarios: citing.iter().map(|s| s.id.clone()).collect(),
+                    checked: citing.iter().any(|s| {
+                        matches!(
+                            s.outcome,
+                            OutcomeLabel::Pass | OutcomeLabel::Flaky | OutcomeLabel::Fail
+                        )
+                    }),
+                }
+            })
+            .collect();
+        Coverage {
+            must_clauses: clauses.len(),
+            checked: clauses.iter().filter(|c| c.checked).count(),
+            unchecked: clauses
+                .iter()
+                .filter(|c| !c.checked)
+                .map(|c| c.clause.clone())
+                .collect(),
+            clauses,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -463,8 +548,21 @@ impl Statement {
                     .map(|(k, v)| ((*k).to_owned(), *v))
                     .collect(),
                 must_run: p.must_run,
+                selected: p.scope.selected,
+                catalog: p.scope.catalog,
+                subset: p.scope.is_subset(),
             })
             .collect();
+        let run_scope = report
+            .profiles
+            .iter()
+            .find(|p| p.profile == crate::report::ALL)
+            .map(|p| p.scope)
+            .unwrap_or(crate::report::Scope {
+                selected: 0,
+                catalog: 0,
+            });
+        let coverage = Coverage::of(crate::scenario::must_clauses(), &scenarios);
         let caps = &report.target.capabilities;
         let target = TargetIdentity {
             kind: report.target.kind.clone(),
@@ -508,9 +606,13 @@ impl Statement {
                     retries: report.retries,
                     certify: report.certify,
                     not_applicable: report.not_applicable.clone(),
+                    selected: run_scope.selected,
+                    catalog: run_scope.catalog,
+                    subset: run_scope.is_subset(),
                 },
                 scenarios,
                 profiles,
+                coverage,
                 counts,
                 measurements,
                 streams,
@@ -548,11 +650,7 @@ fn scenario_result(s: &ScenarioReport, transcript: Option<FileRef>) -> ScenarioR
 }
 
 fn verdict_label(v: Verdict) -> &'static str {
-    match v {
-        Verdict::Conformant => "conformant",
-        Verdict::Partial => "partial",
-        Verdict::NonConformant => "non-conformant",
-    }
+    v.as_str()
 }
 
 /// Absence checks of a scenario that held. Only a scenario that passed proves every one of

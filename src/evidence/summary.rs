@@ -98,15 +98,31 @@ pub(crate) fn render(statement: &Statement) -> String {
             .unwrap_or_default()
     );
 
-    md.push_str("\n## Verdicts\n\n| profile | verdict | PASS | FLAKY | SKIP | FAIL | ERROR | MUST run | reason |\n");
+    md.push_str("\n## Verdicts\n\n");
+    if r.selection.subset {
+        let _ = writeln!(
+            md,
+            "> **Subset.** The selection ran {} of the catalog's {} scenarios; no verdict below speaks for the rest.\n",
+            r.selection.selected, r.selection.catalog
+        );
+    }
+    md.push_str("| profile | verdict | PASS | FLAKY | SKIP | FAIL | ERROR | MUST run | reason |\n");
     md.push_str("|---|---|---:|---:|---:|---:|---:|---:|---|\n");
     for p in &r.profiles {
         let c = |k: &str| p.counts.get(k).copied().unwrap_or(0);
+        let scope = crate::report::Scope {
+            selected: p.selected,
+            catalog: p.catalog,
+        };
+        let verdict = match scope.qualifier() {
+            Some(q) => format!("**{}** ({q})", p.verdict),
+            None => format!("**{}**", p.verdict),
+        };
         let _ = writeln!(
             md,
-            "| {} | **{}** | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell(&p.profile),
-            p.verdict,
+            verdict,
             c("PASS"),
             c("FLAKY"),
             c("SKIP"),
@@ -203,6 +219,8 @@ pub(crate) fn render(statement: &Statement) -> String {
         );
     }
 
+    coverage(&mut md, statement);
+
     md.push_str("\n## Timings\n\n");
     if r.measurements.is_empty() && r.streams.is_empty() {
         md.push_str("No measurements.\n");
@@ -257,6 +275,49 @@ pub(crate) fn render(statement: &Statement) -> String {
         let _ = writeln!(md, "- swept: `{}` {}", s.scenario, s.path);
     }
     md
+}
+
+/// The clause coverage table: every MUST clause with the scenarios citing it and their
+/// outcomes, then the clauses nothing in the run judged.
+fn coverage(md: &mut String, statement: &Statement) {
+    let r = &statement.predicate;
+    let c = &r.coverage;
+    let _ = writeln!(
+        md,
+        "\n## Clause coverage\n\n{} of {} MUST clauses of docs/protocol.md were judged by a scenario of this run; {} were not.\n",
+        c.checked,
+        c.must_clauses,
+        c.unchecked.len()
+    );
+    if !c.unchecked.is_empty() {
+        let _ = writeln!(
+            md,
+            "Not judged by any scenario of this run: {}.\n",
+            c.unchecked.join(", ")
+        );
+    }
+    md.push_str("| clause | judged | scenarios |\n|---|---|---|\n");
+    for row in &c.clauses {
+        let scenarios: Vec<String> = row
+            .scenarios
+            .iter()
+            .map(|id| match r.scenarios.iter().find(|s| &s.id == id) {
+                Some(s) => format!("`{id}` {}", label(s.outcome)),
+                None => format!("`{id}`"),
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} |",
+            row.clause,
+            if row.checked { "yes" } else { "**no**" },
+            if scenarios.is_empty() {
+                "none".to_owned()
+            } else {
+                cell(&scenarios.join(", "))
+            }
+        );
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //!
 //! It proves: every file the manifest lists is there with the listed SHA-256 and nothing else
 //! is; the receipt satisfies the published schema and agrees with itself (counts, transcript
-//! digests); no file holds a credential shape (bearer and basic credentials, API-key shapes,
+//! digests, every profile verdict judged again from the scenario outcomes with the run's own
+//! rules, the selection's scope, the clause coverage); no file holds a credential shape (bearer and basic credentials, API-key shapes,
 //! JWTs, private keys, passwords in URLs, unredacted credential headers, parameters and
 //! fields). It cannot prove the run happened as written (the manifest is not signed) and it
 //! cannot find run-time secrets that have no recognisable shape, because their values are not
@@ -12,10 +13,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use super::receipt::{OutcomeLabel, Statement};
+use super::receipt::{Coverage, OutcomeLabel, Receipt, Statement, suite_commit};
 use super::sanitize::Sanitizer;
 use super::schema::validate_receipt;
 use super::writer::{MANIFEST, Manifest, RECEIPT, sha256_hex};
+use crate::report::{ALL, Judged, RunFacts, judge};
+use crate::scenario::Level;
 
 /// One reason a folder does not verify.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +189,8 @@ fn consistency(statement: &Statement, present: &BTreeMap<String, Vec<u8>>) -> Ve
             )));
         }
     }
+    out.extend(verdicts_follow(r));
+    out.extend(coverage_follows(statement));
     for s in &r.scenarios {
         if r.not_run.contains(&s.id) {
             out.push(Problem::Inconsistent(format!(
@@ -207,6 +212,187 @@ fn consistency(statement: &Statement, present: &BTreeMap<String, Vec<u8>>) -> Ve
                 }
                 Some(_) => {}
             }
+        }
+    }
+    out
+}
+
+/// Every verdict is judged again, with the run's own rules, from the scenario outcomes the
+/// receipt records; the selection's scope must agree with what the receipt holds.
+fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let sel = &r.selection;
+    let mut bad = |msg: String| out.push(Problem::Inconsistent(msg));
+
+    // The scope: what was selected, out of what, and whether that is the whole catalog.
+    let accounted = r.scenarios.len() + sel.not_applicable.len() + r.not_run.len();
+    if sel.selected != accounted {
+        bad(format!(
+            "selection.selected is {} but the receipt accounts for {accounted} scenarios (reported, not applicable, never run)",
+            sel.selected
+        ));
+    }
+    if sel.selected > sel.catalog {
+        bad(format!(
+            "selection.selected ({}) exceeds selection.catalog ({})",
+            sel.selected, sel.catalog
+        ));
+    }
+    if sel.subset != (sel.selected < sel.catalog) {
+        bad(format!(
+            "selection.subset is {} but {} of {} scenarios were selected",
+            sel.subset, sel.selected, sel.catalog
+        ));
+    }
+    let narrowed = !sel.filters.is_empty() || sel.shard.is_some() || sel.profile != ALL;
+    if !narrowed && sel.subset {
+        bad(
+            "selection.subset is true but neither --profile, --filter nor --shard narrowed the run"
+                .to_owned(),
+        );
+    }
+    if sel.certify && (narrowed || sel.subset) {
+        bad("a --certify run covers the whole catalog, but this selection is narrowed".to_owned());
+    }
+
+    // The verdicts: the same rules, fed the receipt's rows and the stated scope per profile.
+    let mut rows = Vec::with_capacity(r.scenarios.len());
+    for s in &r.scenarios {
+        let level = match s.level.as_str() {
+            "MUST" => Level::Must,
+            "SHOULD" => Level::Should,
+            other => {
+                bad(format!("{}: unknown level `{other}`", s.id));
+                continue;
+            }
+        };
+        rows.push(Judged {
+            id: &s.id,
+            family: &s.family,
+            level,
+            outcome: s.outcome.judged(),
+        });
+    }
+    let mut facts = RunFacts {
+        certify: sel.certify,
+        never_ran: r.not_run.len(),
+        ..RunFacts::default()
+    };
+    for p in r.profiles.iter().filter(|p| p.profile != ALL) {
+        facts.selected.insert(p.profile.clone(), p.selected);
+        facts.catalog.insert(p.profile.clone(), p.catalog);
+    }
+    let families: usize = facts.selected.values().sum();
+    let family_catalog: usize = facts.catalog.values().sum();
+    // `all` spans families with no reported scenario too; they carry the remainder.
+    facts
+        .selected
+        .insert(String::new(), sel.selected.saturating_sub(families));
+    facts
+        .catalog
+        .insert(String::new(), sel.catalog.saturating_sub(family_catalog));
+    if families > sel.selected || family_catalog > sel.catalog {
+        bad("the profiles' scopes add up to more than the selection's".to_owned());
+    }
+    let expected = judge(&rows, &facts);
+    let stated_names: Vec<&str> = r.profiles.iter().map(|p| p.profile.as_str()).collect();
+    let expected_names: Vec<&str> = expected.iter().map(|p| p.profile.as_str()).collect();
+    if stated_names != expected_names {
+        bad(format!(
+            "profiles are [{}] but the scenarios' families give [{}]",
+            stated_names.join(", "),
+            expected_names.join(", ")
+        ));
+    }
+    for want in &expected {
+        let Some(got) = r.profiles.iter().find(|p| p.profile == want.profile) else {
+            continue;
+        };
+        let counts: BTreeMap<String, usize> = want
+            .counts
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), *v))
+            .collect();
+        let rejudged = (
+            want.verdict.as_str(),
+            want.reason.as_deref(),
+            &counts,
+            want.must_run,
+        );
+        let stated = (
+            got.verdict.as_str(),
+            got.reason.as_deref(),
+            &got.counts,
+            got.must_run,
+        );
+        if rejudged != stated {
+            bad(format!(
+                "profile `{}`: the receipt says {} ({}) but its scenario outcomes give {} ({})",
+                want.profile,
+                got.verdict,
+                got.reason.as_deref().unwrap_or("no reason"),
+                want.verdict,
+                want.reason.as_deref().unwrap_or("no reason"),
+            ));
+        }
+        let in_family = if want.profile == ALL {
+            r.scenarios.len()
+        } else {
+            rows.iter().filter(|s| s.family == want.profile).count()
+        };
+        if got.subset != (got.selected < got.catalog)
+            || got.selected > got.catalog
+            || got.selected < in_family
+            || (want.profile == ALL && (got.selected, got.catalog) != (sel.selected, sel.catalog))
+        {
+            bad(format!(
+                "profile `{}`: scope {} of {} (subset {}) does not follow from the selection and its {in_family} reported scenarios",
+                want.profile, got.selected, got.catalog, got.subset
+            ));
+        }
+    }
+    out
+}
+
+/// The coverage table agrees with the scenarios' citations and outcomes. Its clause list is
+/// compared with this build's `docs/protocol.md` only when the receipt was written by the
+/// same commit: an older suite may have known fewer clauses.
+fn coverage_follows(statement: &Statement) -> Vec<Problem> {
+    let r = &statement.predicate;
+    let mut out = Vec::new();
+    let stated: Vec<&str> = r
+        .coverage
+        .clauses
+        .iter()
+        .map(|c| c.clause.as_str())
+        .collect();
+    let recomputed = Coverage::of(stated.iter().copied(), &r.scenarios);
+    if recomputed != r.coverage {
+        let wrong: Vec<&str> = recomputed
+            .clauses
+            .iter()
+            .zip(&r.coverage.clauses)
+            .filter(|(a, b)| a != b)
+            .map(|(a, _)| a.clause.as_str())
+            .collect();
+        out.push(Problem::Inconsistent(format!(
+            "coverage does not follow from the scenarios' clauses and outcomes{}",
+            if wrong.is_empty() {
+                " (its totals or its unchecked list)".to_owned()
+            } else {
+                format!(" (rows {})", wrong.join(", "))
+            }
+        )));
+    }
+    let commit = suite_commit();
+    if commit != "unknown" && r.suite.commit == commit {
+        let known: Vec<&str> = crate::scenario::must_clauses().collect();
+        if stated != known {
+            out.push(Problem::Inconsistent(format!(
+                "coverage lists {} MUST clauses; docs/protocol.md of this suite's commit has {}",
+                stated.len(),
+                known.len()
+            )));
         }
     }
     out
@@ -258,7 +444,7 @@ pub fn verify_cli(dir: &Path) -> i32 {
     let report = verify(dir);
     if report.ok() {
         println!(
-            "verified: {} ({} files; manifest digests, receipt schema, secret scan)",
+            "verified: {} ({} files; manifest digests, receipt schema, verdicts, secret scan)",
             dir.display(),
             report.files_checked
         );

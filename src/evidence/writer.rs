@@ -355,7 +355,12 @@ mod tests {
             shard: None,
             retries: 0,
             certify: false,
-            profiles: RunReport::judge(&scenarios, false),
+            profiles: RunReport::judge(
+                &scenarios,
+                &crate::report::RunFacts::whole_catalog(
+                    scenarios.iter().map(|s| s.family.as_str()),
+                ),
+            ),
             scenarios,
             run_swept: Vec::new(),
             not_applicable: Vec::new(),
