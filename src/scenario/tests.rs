@@ -182,6 +182,20 @@ fn a_snapshot_comparison_needs_an_earlier_snapshot() {
     check_err(&text, "bad.yaml:6:40: no earlier `snapshot` named `owned`");
 }
 
+/// A request's expectations are judged before its captures are taken, and an `sse` step's
+/// request is sent before its `capture_last_id` exists.
+#[test]
+fn a_step_cannot_use_what_it_captures_itself() {
+    let text = header(
+        "steps:\n  - request:\n      method: GET\n      path: /v1/x\n      expect: {json: [{pointer: /id, equals: \"{{own}}\"}]}\n      capture: {own: {json: /id}}\n",
+    );
+    check_err(&text, "bad.yaml:9:46: unknown variable `own`");
+    let text = header(
+        "steps:\n  - sse:\n      path: /v1/x/events\n      last_event_id: \"{{cursor}}\"\n      until: eof\n      capture_last_id: cursor\n",
+    );
+    check_err(&text, "bad.yaml:8:22: unknown variable `cursor`");
+}
+
 /// A poll's deadline is computed before its request is first sent.
 #[test]
 fn a_poll_deadline_cannot_use_what_the_poll_captures() {
