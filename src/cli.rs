@@ -292,7 +292,7 @@ fn print_parse_errors(errors: &[ParseError]) {
     }
 }
 
-/// `sandspec list`: ID, level, clauses, title.
+/// `sandspec list`: ID, level, clauses, title; then the MUST clauses no listed scenario cites.
 pub fn list(args: &ListArgs) -> ExitCode {
     let scenarios = match load_dir(&args.scenarios) {
         Ok(s) => s,
@@ -322,6 +322,28 @@ pub fn list(args: &ListArgs) -> ExitCode {
         );
     }
     println!("{} scenarios ({must} MUST, {should} SHOULD)", must + should);
+    // Clause coverage of what was listed: the MUST clauses of docs/protocol.md none cites.
+    let cited: std::collections::BTreeSet<&str> = scenarios
+        .iter()
+        .filter(|s| matches_filters(s, &args.filter))
+        .flat_map(|s| s.scenario.clauses.iter().map(|c| c.value.as_str()))
+        .collect();
+    let musts: Vec<&str> = crate::scenario::must_clauses().collect();
+    let uncited: Vec<&str> = musts
+        .iter()
+        .copied()
+        .filter(|c| !cited.contains(c))
+        .collect();
+    println!(
+        "{} of {} MUST clauses of docs/protocol.md cited; by none of these scenarios: {}",
+        musts.len() - uncited.len(),
+        musts.len(),
+        if uncited.is_empty() {
+            "none".to_owned()
+        } else {
+            uncited.join(", ")
+        }
+    );
     ExitCode::from(EXIT_CONFORMANT)
 }
 

@@ -192,6 +192,39 @@ fn list_and_bad_flags() {
     );
 }
 
+/// `sandspec list` ends with the MUST clauses none of the listed scenarios cites.
+#[test]
+fn list_names_the_must_clauses_no_scenario_cites() {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = small_catalog(dir.path());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .arg("list")
+        .arg("--scenarios")
+        .arg(&catalog)
+        .output()
+        .expect("run sandspec");
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap();
+    let must = sandspec::scenario::must_clauses().count();
+    let (head, uncited) = last
+        .split_once("; by none of these scenarios: ")
+        .expect(last);
+    let uncited: Vec<&str> = uncited.split(", ").collect();
+    assert_eq!(
+        head,
+        format!(
+            "{} of {must} MUST clauses of docs/protocol.md cited",
+            must - uncited.len()
+        )
+    );
+    // SBX-LIFE-001 cites SBX-3.1; nothing in the three files cites CONV-1.1.
+    assert!(
+        uncited.contains(&"CONV-1.1") && !uncited.contains(&"SBX-3.1"),
+        "{last}"
+    );
+}
+
 /// `--certify` judges the whole catalog: any narrowing is a usage error (exit 2), said
 /// before anything starts.
 #[test]
