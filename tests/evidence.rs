@@ -989,6 +989,21 @@ fn verify_refuses_a_scope_that_does_not_add_up() {
         "{shown:?}"
     );
 
+    // A family cannot be a subset of a run that nothing narrowed.
+    let (_tmp, _dest, copy_dir) = written_and_copy();
+    let problems = tamper(&copy_dir, |v| {
+        let p = profile(v, "lifecycle");
+        p["catalog"] = 5.into();
+        p["subset"] = true.into();
+    });
+    let shown: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert!(
+        shown
+            .iter()
+            .any(|p| p.contains("profile `lifecycle`: scope 2 of 5 (subset true) does not follow")),
+        "{shown:?}"
+    );
+
     let (_tmp, _dest, copy_dir) = written_and_copy();
     let problems = tamper(&copy_dir, |v| {
         v["predicate"]["selection"]["selected"] = 3.into();

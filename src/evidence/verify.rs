@@ -3,11 +3,12 @@
 //! It proves: every file the manifest lists is there with the listed SHA-256 and nothing else
 //! is; the receipt satisfies the published schema and agrees with itself (counts, transcript
 //! digests, every profile verdict judged again from the scenario outcomes with the run's own
-//! rules, the selection's scope, the clause coverage); no file holds a credential shape (bearer and basic credentials, API-key shapes,
-//! JWTs, private keys, passwords in URLs, unredacted credential headers, parameters and
-//! fields). It cannot prove the run happened as written (the manifest is not signed) and it
-//! cannot find run-time secrets that have no recognisable shape, because their values are not
-//! known after the run.
+//! rules, the selection's scope, the clause coverage); no file holds a credential shape
+//! (bearer and basic credentials, API-key shapes, JWTs, private keys, passwords in URLs,
+//! unredacted credential headers, parameters and fields). It cannot prove the run happened as
+//! written (the manifest is not signed), nor the catalog size a receipt states, and it cannot
+//! find run-time secrets that have no recognisable shape, because their values are not known
+//! after the run.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -341,6 +342,7 @@ fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
             rows.iter().filter(|s| s.family == want.profile).count()
         };
         if got.subset != (got.selected < got.catalog)
+            || (got.subset && !narrowed)
             || got.selected > got.catalog
             || got.selected < in_family
             || (want.profile == ALL && (got.selected, got.catalog) != (sel.selected, sel.catalog))
