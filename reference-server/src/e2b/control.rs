@@ -395,12 +395,22 @@ impl NewSandbox {
 }
 
 fn parse_timeout(state: &AppState, raw: Option<i64>, default: u64) -> Result<u64, E2bError> {
+    parse_timeout_from(state, raw, default, 1)
+}
+
+/// A timeout in seconds between `min` and `limits.max_timeout_s`, `default` when absent.
+fn parse_timeout_from(
+    state: &AppState,
+    raw: Option<i64>,
+    default: u64,
+    min: i64,
+) -> Result<u64, E2bError> {
     let max = state.config.limits.max_timeout_s;
     match raw {
         None => Ok(default.min(max)),
-        Some(t) if t >= 1 && (t as u64) <= max => Ok(t as u64),
+        Some(t) if t >= min && (t as u64) <= max => Ok(t as u64),
         Some(_) => Err(E2bError::bad_request(format!(
-            "timeout must be between 1 and {max} seconds"
+            "timeout must be between {min} and {max} seconds"
         ))),
     }
 }
@@ -904,7 +914,8 @@ pub async fn connect(
             "memory: false (rebooting from the filesystem) is not supported by this server",
         ));
     }
-    let timeout_s = parse_timeout(&state, req.timeout, 300)?;
+    // `ConnectSandbox.timeout` has minimum 0 upstream: 0 extends nothing.
+    let timeout_s = parse_timeout_from(&state, req.timeout, 300, 0)?;
     let rec = owned(&state, &team, &id).await?;
     let sandbox = sandbox_of(&rec)?;
     match sandbox.state {
