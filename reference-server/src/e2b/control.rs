@@ -634,9 +634,7 @@ pub async fn list_v2(
     if let Some(raw) = query.get("state") {
         for s in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match s {
-                "running" | "paused" => {
-                    states.push(if s == "running" { "running" } else { "paused" })
-                }
+                "running" | "paused" => states.push(s),
                 other => {
                     return Err(E2bError::bad_request(format!(
                         "unknown state \"{other}\" (running or paused)"
