@@ -1282,3 +1282,71 @@ fn e2b_sdk_drives_the_reference_server() {
     );
     drop(app);
 }
+
+#[tokio::test]
+async fn expiry_kills_or_with_auto_pause_pauses() {
+    let app = spawn_app(|_| {}).await;
+    let (killed, _) = create(&app, ALICE, json!({"templateID": "base", "timeout": 1})).await;
+    let (paused, _) = create(
+        &app,
+        ALICE,
+        json!({"templateID": "base", "timeout": 1, "autoPause": true}),
+    )
+    .await;
+    let detail = e2b(
+        &app,
+        Some(ALICE),
+        Method::GET,
+        &format!("/sandboxes/{paused}"),
+        None,
+    )
+    .await
+    .ok(200);
+    assert_eq!(detail["lifecycle"]["onTimeout"], "pause");
+    support::poll(|| async {
+        let reply = e2b(
+            &app,
+            Some(ALICE),
+            Method::GET,
+            &format!("/sandboxes/{killed}"),
+            None,
+        )
+        .await;
+        (reply.status.as_u16() == 404).then_some(())
+    })
+    .await;
+    support::poll(|| async {
+        let reply = e2b(
+            &app,
+            Some(ALICE),
+            Method::GET,
+            &format!("/sandboxes/{paused}"),
+            None,
+        )
+        .await;
+        (reply.ok(200)["state"] == "paused").then_some(())
+    })
+    .await;
+    // A paused sandbox is not routable for envd until it is resumed.
+    let health = app
+        .client
+        .get(app.url("/health"))
+        .header("E2b-Sandbox-Id", &paused)
+        .header("E2b-Sandbox-Port", "49983");
+    assert_eq!(health.send().await.unwrap().status().as_u16(), 502);
+    e2b(
+        &app,
+        Some(ALICE),
+        Method::POST,
+        &format!("/sandboxes/{paused}/connect"),
+        Some(json!({"timeout": 60})),
+    )
+    .await
+    .ok(201);
+    let health = app
+        .client
+        .get(app.url("/health"))
+        .header("E2b-Sandbox-Id", &paused)
+        .header("E2b-Sandbox-Port", "49983");
+    assert_eq!(health.send().await.unwrap().status().as_u16(), 204);
+}
