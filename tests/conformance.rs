@@ -17,7 +17,8 @@ use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 use sandspec::engine::{Outcome, run_scenario};
-use sandspec::scenario::{LoadedScenario, load_dir_partial};
+use reference_server::defects::Defect;
+use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
 static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
@@ -110,11 +111,17 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> T
     })
 }
 
-/// A negative control: the scenario must FAIL against a server with `defect` (on PostgreSQL
-/// when `postgres`, where a missing PostgreSQL makes the trial ignored; any other skip fails).
-fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial {
+/// A negative control: the scenario must FAIL against a server with `defect`, at the step
+/// the scenario names for it and not earlier (on PostgreSQL when `postgres`, where a missing
+/// PostgreSQL makes the trial ignored; any other skip fails).
+fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool) -> Trial {
+    let defect = control.defect.value.clone();
     let name = format!("defect::{}::{}", scenario.id(), defect);
     Trial::ignorable_test(name, move || {
+        let expected = scenario
+            .scenario
+            .fails_at(&control)
+            .ok_or_else(|| format!("`fails_at: {}` names no single step", control.fails_at.value))?;
         let store = if postgres {
             Store::PostgresDefect(&defect)
         } else {
@@ -127,7 +134,16 @@ fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial 
                 if std::env::var_os("SANDSPEC_SHOW_REASONS").is_some() {
                     eprintln!("{defect}: {step}: {reason}");
                 }
-                Ok(Completion::Completed)
+                // The steps stop at the first failure: failing at the named step means every
+                // earlier one passed.
+                if step == expected {
+                    Ok(Completion::Completed)
+                } else {
+                    Err(Failed::from(format!(
+                        "against a server with `{defect}` the scenario must fail at `{expected}`, \
+                         it failed at `{step}`: {reason}"
+                    )))
+                }
             }
             Outcome::Skip { reason } if postgres && reason == NO_POSTGRES => {
                 Ok(Completion::ignored_with(reason))
@@ -135,6 +151,32 @@ fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial 
             other => Err(Failed::from(format!(
                 "expected FAIL against a server with `{defect}`, got {other}"
             ))),
+        }
+    })
+}
+
+/// `controls::every-defect-caught`: every defect the reference server can switch on is the
+/// negative control of at least one MUST scenario, so none exists without a scenario that
+/// proves it is caught.
+fn every_defect_is_caught(scenarios: &[LoadedScenario]) -> Trial {
+    let caught: std::collections::BTreeSet<String> = scenarios
+        .iter()
+        .filter(|s| s.scenario.level == Level::Must)
+        .flat_map(|s| s.scenario.defects.iter().map(|c| c.defect.value.clone()))
+        .collect();
+    Trial::test("controls::every-defect-caught", move || {
+        let missed: Vec<&str> = Defect::ALL
+            .iter()
+            .map(|d| d.name())
+            .filter(|name| !caught.contains(*name))
+            .collect();
+        if missed.is_empty() {
+            Ok(())
+        } else {
+            Err(Failed::from(format!(
+                "no MUST scenario catches: {}",
+                missed.join(", ")
+            )))
         }
     })
 }
@@ -169,10 +211,11 @@ fn main() {
             Store::Postgres,
         ));
         let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
-        for defect in &s.scenario.defects {
-            trials.push(must_fail(s.clone(), defect.value.clone(), needs_peer));
+        for control in &s.scenario.defects {
+            trials.push(must_fail(s.clone(), control.clone(), needs_peer));
         }
     }
+    trials.push(every_defect_is_caught(&scenarios));
     let conclusion = libtest_mimic::run(&args, trials);
     // Kill the servers before exiting (statics are never dropped).
     let servers: Vec<Arc<Target>> = SERVERS
