@@ -359,8 +359,12 @@ impl Defect {
             Defect::StreamEndsEarly => "streams end at once with stream.end {max_duration}",
             Defect::HeartbeatsStop => "an idle stream sends no heartbeat after its first",
             Defect::FileListSkipsAuth => "the file list route answers without credentials",
-            Defect::ProcessOutputSkipsAuth => "the process output route answers without credentials",
-            Defect::QuotaCheckedOutsideLock => "the sandbox quota is checked outside its lock (a race)",
+            Defect::ProcessOutputSkipsAuth => {
+                "the process output route answers without credentials"
+            }
+            Defect::QuotaCheckedOutsideLock => {
+                "the sandbox quota is checked outside its lock (a race)"
+            }
             Defect::FailedStartLeavesProcess => "a refused process start leaves its process record",
             Defect::RejectedWriteLeavesUpload => "a refused file write leaves its staged upload",
             Defect::ReadFollowsSymlinks => "file reads follow symlinks out of the sandbox root",

@@ -22,8 +22,7 @@ use super::transcript::{
 };
 use super::vars::{VarError, Vars};
 use crate::scenario::{
-    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until, Via,
-    step_label,
+    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until, Via, step_label,
 };
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
 use crate::target::{Target, describe_reqwest};

@@ -211,7 +211,7 @@ pub enum Step {
 
 impl Step {
     /// What messages call the step: its `name`, else the method and path of its request
-    /// (`poll ` before a poll's), `sse <path>` for a stream, or its kind; `(via peer)` is
+    /// (`poll ` before a poll's), `sse <path>` for a stream, or its kind (`absent`); `(via peer)` is
     /// added when it goes to the peer. Negative controls name steps by this label.
     pub fn label(&self) -> String {
         let via = |v: Via| if v == Via::Peer { " (via peer)" } else { "" };
@@ -229,7 +229,19 @@ impl Step {
                     .unwrap_or_else(|| format!("sse {}", s.path.raw));
                 format!("{name}{}", via(s.via))
             }
-            other => other.kind().to_owned(),
+            other => other.name().unwrap_or(other.kind()).to_owned(),
+        }
+    }
+
+    /// The `name` a step without a request of its own was given.
+    fn name(&self) -> Option<&str> {
+        match self {
+            Step::Digest(d) => d.name.as_deref(),
+            Step::ExpectDigestUnchanged(s) | Step::ExpectSnapshotUnchanged(s) => s.name.as_deref(),
+            Step::Snapshot(s) => s.name.as_deref(),
+            Step::Parallel(p) => p.name.as_deref(),
+            Step::Absent(a) => a.name.as_deref(),
+            Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) => None,
         }
     }
 
@@ -563,6 +575,9 @@ pub struct Poll {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Digest {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     pub into: Located<String>,
 }
 
@@ -570,6 +585,9 @@ pub struct Digest {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinceName {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     pub since: Located<String>,
 }
 
@@ -577,6 +595,9 @@ pub struct SinceName {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Snapshot {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
     pub into: Located<String>,
@@ -586,6 +607,9 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Parallel {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     /// Distinct requests to send at once.
     #[serde(default)]
     pub requests: Vec<Request>,
@@ -628,6 +652,9 @@ pub struct Sleep {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Absent {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
     /// The object's URL path, e.g. `/v1/sandboxes/{{sbx}}`.

@@ -173,7 +173,10 @@ fn fails_at_must_name_exactly_one_step() {
     let named_twice = header(&format!(
         "defects: [{{defect: pause-noop, fails_at: pause}}, {{defect: pause-noop, fails_at: pause}}]\n{steps}"
     ));
-    check_err(&named_twice, "bad.yaml:5:59: defect `pause-noop` is named twice");
+    check_err(
+        &named_twice,
+        "bad.yaml:5:59: defect `pause-noop` is named twice",
+    );
     let good = header(&format!(
         "defects: [{{defect: pause-noop, fails_at: pause}}]\n{steps}"
     ));

@@ -76,7 +76,10 @@ pub async fn write(
     let mut bytes = read_body(&headers, body, state.config.limits.max_file_bytes).await?;
     if state.config.defects.has(Defect::UploadReadAsText) {
         // The defect: the body is taken for text, and what is not UTF-8 becomes U+FFFD.
-        bytes = String::from_utf8_lossy(&bytes).into_owned().into_bytes().into();
+        bytes = String::from_utf8_lossy(&bytes)
+            .into_owned()
+            .into_bytes()
+            .into();
     }
     let stage = state.config.defects.has(Defect::RejectedWriteLeavesUpload);
     let outcome = blocking(move || {
