@@ -38,7 +38,7 @@ impl ScenarioReport {
             level: sc.level,
             clauses: sc.clauses.iter().map(|c| c.value.clone()).collect(),
             tags: sc.tags.clone(),
-            defects: sc.defects.iter().map(|d| d.value.clone()).collect(),
+            defects: sc.defects.iter().map(|d| d.defect.value.clone()).collect(),
             outcome: run.outcome,
             duration_ms: run.duration_ms,
             attempts: run.attempts,

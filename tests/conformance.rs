@@ -1,23 +1,28 @@
 //! `cargo test` over the scenario catalog: every scenario against the reference server on
 //! SQLite (`sqlite::<ID>`) and on PostgreSQL (`postgres::<ID>`, skipped at run time when
 //! PostgreSQL is not installed), and every (scenario, defect) pair against a SQLite server
-//! started with that defect, where the scenario must FAIL (`defect::<ID>::<defect>`).
+//! started with that defect, where the scenario must FAIL at the step it names for that defect
+//! (`defect::<ID>::<defect>`); `controls::every-defect-caught` checks that every defect of the
+//! reference server is some MUST scenario's control.
 //!
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
 //! reported ignored with the skip's reason, and its defect trials run on PostgreSQL (ignored
 //! like the `postgres::` trials when PostgreSQL is not installed).
 //!
-//! Servers are started once per process and shared: one clean server per store, and one per
-//! defect. Scenarios marked `exclusive` take a write lock so nothing else runs beside them.
+//! Clean servers are started once per process and shared, one per store. Each negative control
+//! gets a server of its own with its defect, so what another scenario left behind cannot make
+//! it fail earlier than the step it names. Scenarios marked `exclusive` take a write lock so
+//! nothing else runs beside them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
+use reference_server::defects::Defect;
 use sandspec::engine::{Outcome, run_scenario};
-use sandspec::scenario::{LoadedScenario, load_dir_partial};
+use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
 static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
@@ -49,7 +54,8 @@ enum Store<'a> {
 /// The skip reason of a PostgreSQL trial when PostgreSQL is not installed.
 const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
-/// Starts (once) the reference server for `store`; `None` when PostgreSQL is not installed.
+/// Starts (once) the reference server for a clean `store`; `None` when PostgreSQL is not
+/// installed.
 fn server(store: Store<'_>) -> Option<Arc<Target>> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
@@ -61,6 +67,13 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
+    let target = Arc::new(start(store)?);
+    servers.insert(key, target.clone());
+    Some(target)
+}
+
+/// Starts a reference server for `store`; `None` when PostgreSQL is not installed.
+fn start(store: Store<'_>) -> Option<Target> {
     let database_url = match store {
         Store::Postgres | Store::PostgresDefect(_) => {
             Some(reference_server::testing::PgCluster::shared_or_skip()?.fresh_database_blocking())
@@ -78,18 +91,34 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
     };
     let target = RUNTIME
         .block_on(Target::start_reference(&options))
-        .unwrap_or_else(|e| panic!("failed to start the reference server ({key}): {e}"));
-    let target = Arc::new(target);
-    servers.insert(key, target.clone());
+        .unwrap_or_else(|e| panic!("failed to start the reference server: {e}"));
     Some(target)
 }
 
+/// Runs `scenario` on the shared clean server of `store`.
 fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
     let Some(target) = server(store) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
     };
+    run_on(&target, scenario)
+}
+
+/// Runs `scenario` on a server of its own, stopped afterwards: a negative control must fail
+/// where it says, whatever other scenarios left on a server with the same defect.
+fn run_alone(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
+    let Some(target) = start(store) else {
+        return Outcome::Skip {
+            reason: NO_POSTGRES.into(),
+        };
+    };
+    let outcome = run_on(&target, scenario);
+    RUNTIME.block_on(async move { drop(target) });
+    outcome
+}
+
+fn run_on(target: &Target, scenario: &LoadedScenario) -> Outcome {
     let _guard: Box<dyn std::any::Any> = if scenario.scenario.exclusive {
         Box::new(EXCLUSIVE.write().unwrap_or_else(|p| p.into_inner()))
     } else {
@@ -97,7 +126,7 @@ fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
     };
     let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
     RUNTIME
-        .block_on(run_scenario(&target, &scenario.scenario, &run_id))
+        .block_on(run_scenario(target, &scenario.scenario, &run_id))
         .outcome
 }
 
@@ -110,24 +139,41 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> T
     })
 }
 
-/// A negative control: the scenario must FAIL against a server with `defect` (on PostgreSQL
-/// when `postgres`, where a missing PostgreSQL makes the trial ignored; any other skip fails).
-fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial {
+/// A negative control: the scenario must FAIL against a server with `defect`, at the step
+/// the scenario names for it and not earlier (on PostgreSQL when `postgres`, where a missing
+/// PostgreSQL makes the trial ignored; any other skip fails).
+fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool) -> Trial {
+    let defect = control.defect.value.clone();
     let name = format!("defect::{}::{}", scenario.id(), defect);
     Trial::ignorable_test(name, move || {
+        let expected = scenario.scenario.fails_at(&control).ok_or_else(|| {
+            format!(
+                "`fails_at: {}` names no single step",
+                control.fails_at.value
+            )
+        })?;
         let store = if postgres {
             Store::PostgresDefect(&defect)
         } else {
             Store::Defect(&defect)
         };
-        match run(&scenario, store) {
+        match run_alone(&scenario, store) {
             Outcome::Fail { step, reason } => {
                 // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
                 // failed for the reason the defect implies.
                 if std::env::var_os("SANDSPEC_SHOW_REASONS").is_some() {
                     eprintln!("{defect}: {step}: {reason}");
                 }
-                Ok(Completion::Completed)
+                // The steps stop at the first failure: failing at the named step means every
+                // earlier one passed.
+                if step == expected {
+                    Ok(Completion::Completed)
+                } else {
+                    Err(Failed::from(format!(
+                        "against a server with `{defect}` the scenario must fail at `{expected}`, \
+                         it failed at `{step}`: {reason}"
+                    )))
+                }
             }
             Outcome::Skip { reason } if postgres && reason == NO_POSTGRES => {
                 Ok(Completion::ignored_with(reason))
@@ -137,6 +183,57 @@ fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial 
             ))),
         }
     })
+}
+
+/// The defects of the reference server that no MUST scenario among `scenarios` names.
+fn uncaught(scenarios: &[LoadedScenario]) -> Vec<&'static str> {
+    let caught: BTreeSet<&str> = scenarios
+        .iter()
+        .filter(|s| s.scenario.level == Level::Must)
+        .flat_map(|s| s.scenario.defects.iter().map(|c| c.defect.value.as_str()))
+        .collect();
+    Defect::ALL
+        .iter()
+        .map(|d| d.name())
+        .filter(|name| !caught.contains(name))
+        .collect()
+}
+
+/// `controls::every-defect-caught`: every defect the reference server can switch on is the
+/// negative control of at least one MUST scenario, so none exists without a scenario that
+/// proves it is caught. `controls::uncaught-defect-is-named` shows the check can fail: without
+/// the scenarios that catch one defect, that defect is reported.
+fn every_defect_is_caught(scenarios: &[LoadedScenario]) -> Vec<Trial> {
+    let all = scenarios.to_vec();
+    let every = Trial::test("controls::every-defect-caught", move || {
+        let missed = uncaught(&all);
+        if missed.is_empty() {
+            Ok(())
+        } else {
+            Err(Failed::from(format!(
+                "no MUST scenario catches: {}",
+                missed.join(", ")
+            )))
+        }
+    });
+    let all = scenarios.to_vec();
+    let named = Trial::test("controls::uncaught-defect-is-named", move || {
+        let dropped = Defect::ALL[0].name();
+        let without: Vec<LoadedScenario> = all
+            .iter()
+            .filter(|s| !s.scenario.defects.iter().any(|c| c.defect.value == dropped))
+            .cloned()
+            .collect();
+        let missed = uncaught(&without);
+        if missed.contains(&dropped) {
+            Ok(())
+        } else {
+            Err(Failed::from(format!(
+                "without the scenarios catching `{dropped}` it should be reported, got {missed:?}"
+            )))
+        }
+    });
+    vec![every, named]
 }
 
 fn main() {
@@ -169,10 +266,11 @@ fn main() {
             Store::Postgres,
         ));
         let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
-        for defect in &s.scenario.defects {
-            trials.push(must_fail(s.clone(), defect.value.clone(), needs_peer));
+        for control in &s.scenario.defects {
+            trials.push(must_fail(s.clone(), control.clone(), needs_peer));
         }
     }
+    trials.extend(every_defect_is_caught(&scenarios));
     let conclusion = libtest_mimic::run(&args, trials);
     // Kill the servers before exiting (statics are never dropped).
     let servers: Vec<Arc<Target>> = SERVERS

@@ -114,6 +114,40 @@ pub enum Defect {
     UploadToDeletingAccepted,
     /// `GET /v1/sessions?state=` ignores the filter and lists every session.
     SessionListIgnoresState,
+    /// A stream's maximum duration is read as milliseconds: streams end almost at once with
+    /// `stream.end {reason: max_duration}`.
+    StreamEndsEarly,
+    /// The heartbeat timer is armed once, for the opening heartbeat: an idle stream then goes
+    /// silent until it ends.
+    HeartbeatsStop,
+    /// `GET /v1/sandboxes/{id}/files/list` without credentials is answered for the sandbox's
+    /// owner instead of 401.
+    FileListSkipsAuth,
+    /// `GET /v1/processes/{id}/output` without credentials is answered for the process's owner
+    /// instead of 401.
+    ProcessOutputSkipsAuth,
+    /// The sandbox quota is counted before the create lock is taken: concurrent creates all see
+    /// room and more than the quota succeed.
+    QuotaCheckedOutsideLock,
+    /// A process start the sandbox refuses (a `cwd` outside the root) answers 400 but keeps the
+    /// process record it stored first.
+    FailedStartLeavesProcess,
+    /// A file write is staged as `<path>.upload` first; a write refused afterwards (onto a
+    /// directory) leaves the staged file behind.
+    RejectedWriteLeavesUpload,
+    /// File reads (only reads) follow symlinks out of the sandbox root.
+    ReadFollowsSymlinks,
+    /// A path is cleaned like a URL path: `..` above the root and a leading `/` are dropped
+    /// instead of refused.
+    DotDotClampedAtRoot,
+    /// An uploaded file's bytes are read as UTF-8 text: invalid sequences are stored as U+FFFD.
+    UploadReadAsText,
+    /// `eof: true` on stdin is answered 204 but the process's stdin stays open.
+    StdinEofIgnored,
+    /// An unknown signal name is sent as TERM instead of being refused with 400.
+    SignalNameUnchecked,
+    /// Output beyond the limit is dropped, but the output says `truncated: false`.
+    TruncationUnreported,
     // The E2B surface (crate::e2b).
     /// E2B control plane: another team's sandbox is answered 403 instead of 404.
     E2bForeignSandbox403,
@@ -180,6 +214,19 @@ impl Defect {
         Defect::WorkerExitCompletesTurn,
         Defect::UploadToDeletingAccepted,
         Defect::SessionListIgnoresState,
+        Defect::StreamEndsEarly,
+        Defect::HeartbeatsStop,
+        Defect::FileListSkipsAuth,
+        Defect::ProcessOutputSkipsAuth,
+        Defect::QuotaCheckedOutsideLock,
+        Defect::FailedStartLeavesProcess,
+        Defect::RejectedWriteLeavesUpload,
+        Defect::ReadFollowsSymlinks,
+        Defect::DotDotClampedAtRoot,
+        Defect::UploadReadAsText,
+        Defect::StdinEofIgnored,
+        Defect::SignalNameUnchecked,
+        Defect::TruncationUnreported,
         Defect::E2bForeignSandbox403,
         Defect::E2bTimeoutOnlyExtends,
         Defect::E2bConnectDoesNotResume,
@@ -239,6 +286,19 @@ impl Defect {
             Defect::WorkerExitCompletesTurn => "worker-exit-completes-turn",
             Defect::UploadToDeletingAccepted => "upload-to-deleting-accepted",
             Defect::SessionListIgnoresState => "session-list-ignores-state",
+            Defect::StreamEndsEarly => "stream-ends-early",
+            Defect::HeartbeatsStop => "heartbeats-stop",
+            Defect::FileListSkipsAuth => "file-list-skips-auth",
+            Defect::ProcessOutputSkipsAuth => "process-output-skips-auth",
+            Defect::QuotaCheckedOutsideLock => "quota-checked-outside-lock",
+            Defect::FailedStartLeavesProcess => "failed-start-leaves-process",
+            Defect::RejectedWriteLeavesUpload => "rejected-write-leaves-upload",
+            Defect::ReadFollowsSymlinks => "read-follows-symlinks",
+            Defect::DotDotClampedAtRoot => "dotdot-clamped-at-root",
+            Defect::UploadReadAsText => "upload-read-as-text",
+            Defect::StdinEofIgnored => "stdin-eof-ignored",
+            Defect::SignalNameUnchecked => "signal-name-unchecked",
+            Defect::TruncationUnreported => "truncation-unreported",
             Defect::E2bForeignSandbox403 => "e2b-foreign-sandbox-403",
             Defect::E2bTimeoutOnlyExtends => "e2b-timeout-only-extends",
             Defect::E2bConnectDoesNotResume => "e2b-connect-does-not-resume",
@@ -321,6 +381,23 @@ impl Defect {
                 "an upload to a deleting session is not refused as such"
             }
             Defect::SessionListIgnoresState => "the session list ignores its state filter",
+            Defect::StreamEndsEarly => "streams end at once with stream.end {max_duration}",
+            Defect::HeartbeatsStop => "an idle stream sends no heartbeat after its first",
+            Defect::FileListSkipsAuth => "the file list route answers without credentials",
+            Defect::ProcessOutputSkipsAuth => {
+                "the process output route answers without credentials"
+            }
+            Defect::QuotaCheckedOutsideLock => {
+                "the sandbox quota is checked outside its lock (a race)"
+            }
+            Defect::FailedStartLeavesProcess => "a refused process start leaves its process record",
+            Defect::RejectedWriteLeavesUpload => "a refused file write leaves its staged upload",
+            Defect::ReadFollowsSymlinks => "file reads follow symlinks out of the sandbox root",
+            Defect::DotDotClampedAtRoot => "`..` above the root is dropped instead of refused",
+            Defect::UploadReadAsText => "uploaded bytes are stored as lossy UTF-8 text",
+            Defect::StdinEofIgnored => "stdin eof is answered but stdin stays open",
+            Defect::SignalNameUnchecked => "an unknown signal name is sent as TERM",
+            Defect::TruncationUnreported => "dropped output is not reported as truncated",
             Defect::E2bForeignSandbox403 => "E2B: another team's sandbox is answered 403, not 404",
             Defect::E2bTimeoutOnlyExtends => "E2B: a timeout call can extend but never shorten",
             Defect::E2bConnectDoesNotResume => {

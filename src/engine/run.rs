@@ -22,7 +22,7 @@ use super::transcript::{
 };
 use super::vars::{VarError, Vars};
 use crate::scenario::{
-    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until, Via,
+    Absent, Method, Parallel, Poll, Principal, Request, Scenario, Sse, Step, Until, Via, step_label,
 };
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
 use crate::target::{Target, describe_reqwest};
@@ -115,14 +115,14 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     };
     let mut outcome = Outcome::Pass;
     for (i, step) in scenario.steps.iter().enumerate() {
-        let label = format!("steps[{i}] {}", describe(step));
+        let label = step_label("steps", i, step);
         if let Err(e) = ctx.step(step, &label).await {
             outcome = e.into_outcome(label);
             break;
         }
     }
     for (i, step) in scenario.cleanup.iter().enumerate() {
-        let label = format!("cleanup[{i}] {}", describe(step));
+        let label = step_label("cleanup", i, step);
         match ctx.step(step, &label).await {
             Ok(()) => {}
             // A cleanup step for something that was never created has nothing to do.
@@ -209,26 +209,6 @@ fn expects_some_success(s: &Scenario) -> bool {
         Step::Sse(s) => ok(&s.expect),
         _ => false,
     })
-}
-
-fn describe(step: &Step) -> String {
-    let via = |v: Via| if v == Via::Peer { " (via peer)" } else { "" };
-    let req = |r: &Request| match &r.name {
-        Some(n) => format!("{n}{}", via(r.via)),
-        None => format!("{} {}{}", r.method.as_str(), r.path.raw, via(r.via)),
-    };
-    match step {
-        Step::Request(r) => req(r),
-        Step::Poll(p) => format!("poll {}", req(&p.request)),
-        Step::Sse(s) => {
-            let name = s
-                .name
-                .clone()
-                .unwrap_or_else(|| format!("sse {}", s.path.raw));
-            format!("{name}{}", via(s.via))
-        }
-        other => other.kind().to_owned(),
-    }
 }
 
 fn ms(d: Duration) -> u64 {
@@ -711,6 +691,11 @@ impl<'a> Ctx<'a> {
             .as_ref()
             .map(|n| self.vars.num(n))
             .transpose()?;
+        let min_duration_s = s
+            .min_duration_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?;
         let at_ms = self.at();
         let sent = Instant::now();
         // No total timeout: the read below has its own deadline.
@@ -867,6 +852,15 @@ impl<'a> Ctx<'a> {
                 events.len()
             )),
             (EndReason::Cut, _, None) => {}
+        }
+        // A lower bound only: a slow machine makes a stream last longer, never shorter.
+        if let (Some(min_s), EndReason::Eof, Some(eof)) = (min_duration_s, &record.end, record.eof)
+            && eof < Duration::from_secs(u64::try_from(min_s).unwrap_or(0))
+        {
+            failures.push(format!(
+                "stream ended {:.3}s after it was requested, before the {min_s}s it must stay open",
+                eof.as_secs_f64()
+            ));
         }
         if s.expect_none {
             if !events.is_empty() {

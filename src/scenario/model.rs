@@ -47,12 +47,10 @@ pub struct Scenario {
     pub requires: Vec<Located<String>>,
     #[serde(default)]
     pub tags: Vec<String>,
-    /// Reference-server defects this scenario must catch (negative controls).
+    /// Reference-server defects this scenario must catch (negative controls), each with the
+    /// step at which it must fail.
     #[serde(default)]
-    pub defects: Vec<Located<String>>,
-    /// Why a MUST scenario names no defect. Without it such a scenario is rejected.
-    #[serde(default)]
-    pub defects_waiver: Option<String>,
+    pub defects: Vec<DefectRef>,
     /// Run alone, with no other scenario in flight (digest scenarios compare global state).
     #[serde(default)]
     pub exclusive: bool,
@@ -60,6 +58,81 @@ pub struct Scenario {
     /// Always run, whatever happened in `steps`.
     #[serde(default)]
     pub cleanup: Vec<Step>,
+}
+
+/// One negative control: a deliberate defect of the reference server and the step of
+/// `steps` that must be the first to fail against a server with it switched on.
+#[derive(Debug, Clone)]
+pub struct DefectRef {
+    /// The defect's stable name (`reference-server/src/defects.rs`).
+    pub defect: Located<String>,
+    /// The failing step, by its label ([`Step::label`]): its `name`, or for a step without
+    /// one what the engine calls it (`GET /v1/sandboxes/{{sbx}}`, `expect_digest_unchanged`).
+    pub fails_at: Located<String>,
+}
+
+/// By hand, so that a bare defect name (the form before controls named their step) is refused
+/// with the form to write instead of a generic "expected mapping".
+impl<'de> Deserialize<'de> for DefectRef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = DefectRef;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("`{defect: <name>, fails_at: <label of the step that must fail>}`")
+            }
+            fn visit_str<E: de::Error>(self, name: &str) -> Result<DefectRef, E> {
+                Err(E::custom(format!(
+                    "write `{{defect: {name}, fails_at: <step>}}`: a negative control names the step that must fail"
+                )))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<DefectRef, A::Error> {
+                const FIELDS: &[&str] = &["defect", "fails_at"];
+                let mut defect = None;
+                let mut fails_at = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "defect" if defect.is_none() => defect = Some(map.next_value()?),
+                        "fails_at" if fails_at.is_none() => fails_at = Some(map.next_value()?),
+                        "defect" | "fails_at" => return Err(de::Error::duplicate_field(FIELDS[0])),
+                        other => return Err(de::Error::unknown_field(other, FIELDS)),
+                    }
+                }
+                Ok(DefectRef {
+                    defect: defect.ok_or_else(|| de::Error::missing_field("defect"))?,
+                    fails_at: fails_at.ok_or_else(|| de::Error::missing_field("fails_at"))?,
+                })
+            }
+        }
+        deserializer.deserialize_any(V)
+    }
+}
+
+impl Scenario {
+    /// The indexes of the steps (not cleanup) whose label is `label`.
+    pub fn steps_labelled(&self, label: &str) -> Vec<usize> {
+        self.steps
+            .iter()
+            .enumerate()
+            .filter(|(_, step)| step.label() == label)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// The step a negative control must fail at, as an outcome names it
+    /// (`steps[3] get as the other principal`); `None` when `fails_at` names no single step
+    /// (the parser refuses such a file).
+    pub fn fails_at(&self, control: &DefectRef) -> Option<String> {
+        match self.steps_labelled(&control.fails_at.value).as_slice() {
+            [i] => Some(step_label("steps", *i, &self.steps[*i])),
+            _ => None,
+        }
+    }
+}
+
+/// How outcomes and transcripts name a step: `steps[2] create` or `cleanup[0] DELETE /v1/...`.
+pub fn step_label(section: &str, index: usize, step: &Step) -> String {
+    format!("{section}[{index}] {}", step.label())
 }
 
 /// Requirement level of the clauses a scenario checks.
@@ -137,6 +210,41 @@ pub enum Step {
 }
 
 impl Step {
+    /// What messages call the step: its `name`, else the method and path of its request
+    /// (`poll ` before a poll's), `sse <path>` for a stream, or its kind (`absent`); `(via peer)` is
+    /// added when it goes to the peer. Negative controls name steps by this label.
+    pub fn label(&self) -> String {
+        let via = |v: Via| if v == Via::Peer { " (via peer)" } else { "" };
+        let req = |r: &Request| match &r.name {
+            Some(n) => format!("{n}{}", via(r.via)),
+            None => format!("{} {}{}", r.method.as_str(), r.path.raw, via(r.via)),
+        };
+        match self {
+            Step::Request(r) => req(r),
+            Step::Poll(p) => format!("poll {}", req(&p.request)),
+            Step::Sse(s) => {
+                let name = s
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| format!("sse {}", s.path.raw));
+                format!("{name}{}", via(s.via))
+            }
+            other => other.name().unwrap_or(other.kind()).to_owned(),
+        }
+    }
+
+    /// The `name` a step without a request of its own was given.
+    fn name(&self) -> Option<&str> {
+        match self {
+            Step::Digest(d) => d.name.as_deref(),
+            Step::ExpectDigestUnchanged(s) | Step::ExpectSnapshotUnchanged(s) => s.name.as_deref(),
+            Step::Snapshot(s) => s.name.as_deref(),
+            Step::Parallel(p) => p.name.as_deref(),
+            Step::Absent(a) => a.name.as_deref(),
+            Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) => None,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Step::Request(_) => "request",
@@ -399,6 +507,10 @@ pub struct Sse {
     /// Record the time to EOF under this measurement name.
     #[serde(default)]
     pub measure_eof: Option<String>,
+    /// The stream must not end (EOF) sooner than this many seconds after it was requested:
+    /// a stream bounded by `max_stream_duration_s` must not end early.
+    #[serde(default)]
+    pub min_duration_s: Option<NumExpr>,
     /// While idle, a comment must arrive at least this often (seconds).
     #[serde(default)]
     pub expect_heartbeat_within_s: Option<NumExpr>,
@@ -463,6 +575,9 @@ pub struct Poll {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Digest {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     pub into: Located<String>,
 }
 
@@ -470,6 +585,9 @@ pub struct Digest {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinceName {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     pub since: Located<String>,
 }
 
@@ -477,6 +595,9 @@ pub struct SinceName {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Snapshot {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
     pub into: Located<String>,
@@ -486,6 +607,9 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Parallel {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     /// Distinct requests to send at once.
     #[serde(default)]
     pub requests: Vec<Request>,
@@ -528,6 +652,9 @@ pub struct Sleep {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Absent {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
     #[serde(rename = "as", default)]
     pub principal: Principal,
     /// The object's URL path, e.g. `/v1/sandboxes/{{sbx}}`.

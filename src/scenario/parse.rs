@@ -300,7 +300,9 @@ impl Checker<'_> {
                 );
             }
         }
-        for defect in &s.defects {
+        let mut named = BTreeSet::new();
+        for control in &s.defects {
+            let defect = &control.defect;
             if defect
                 .value
                 .parse::<reference_server::defects::Defect>()
@@ -310,12 +312,35 @@ impl Checker<'_> {
                     Pos::of(defect),
                     format!("unknown defect `{}`", defect.value),
                 );
+            } else if !named.insert(defect.value.as_str()) {
+                self.err(
+                    Pos::of(defect),
+                    format!("defect `{}` is named twice", defect.value),
+                );
+            }
+            let at = &control.fails_at;
+            match s.steps_labelled(&at.value).len() {
+                1 => {}
+                0 => self.err(
+                    Pos::of(at),
+                    format!(
+                        "`fails_at: {}` names no step (a step's `name`, or its method and path when it has none)",
+                        at.value
+                    ),
+                ),
+                n => self.err(
+                    Pos::of(at),
+                    format!(
+                        "`fails_at: {}` names {n} steps; give the failing one a unique `name`",
+                        at.value
+                    ),
+                ),
             }
         }
-        if s.level == Level::Must && s.defects.is_empty() && s.defects_waiver.is_none() {
+        if s.level == Level::Must && s.defects.is_empty() {
             self.err(
                 Pos::of(&s.id),
-                "a MUST scenario must name the defects it catches (or give `defects_waiver: \"<reason>\"`)",
+                "a MUST scenario must name the defects it catches, each with the step it fails at",
             );
         }
         if s.steps.is_empty() {
@@ -358,9 +383,13 @@ impl Checker<'_> {
                     self.template(t, scope, ctx);
                 }
                 self.expect(&sse.expect, scope, ctx);
-                for n in [&sse.within_s, &sse.expect_heartbeat_within_s]
-                    .into_iter()
-                    .flatten()
+                for n in [
+                    &sse.within_s,
+                    &sse.expect_heartbeat_within_s,
+                    &sse.min_duration_s,
+                ]
+                .into_iter()
+                .flatten()
                 {
                     self.num(n, scope, ctx);
                 }

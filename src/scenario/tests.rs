@@ -10,7 +10,7 @@ title: Create and kill
 clauses: [SBX-3.1]
 level: MUST
 tags: [lifecycle]
-defects: [kill-reports-success-without-removing]
+defects: [{defect: kill-reports-success-without-removing, fails_at: "POST /v1/sandboxes"}]
 steps:
   - request:
       method: POST
@@ -213,14 +213,67 @@ fn must_without_defect() {
     let text =
         "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: MUST\nsteps:\n  - sleep: {ms: 1}\n";
     check_err(text, "bad.yaml:1:5: a MUST scenario must name the defects");
+    // There is no waiver any more: the key is unknown.
     let waived = format!("{text}defects_waiver: covered by SBX-LIFE-002\n");
-    parse_str(Path::new("ok.yaml"), &waived).unwrap();
+    check_err(&waived, "bad.yaml:7:1: unknown field `defects_waiver`");
+}
+
+#[test]
+fn defect_without_failing_step() {
+    let text = header("defects: [pause-noop]\nsteps:\n  - sleep: {ms: 1}\n");
+    check_err(
+        &text,
+        "bad.yaml:5:11: write `{defect: pause-noop, fails_at: <step>}`: a negative control names the step that must fail",
+    );
+    let text = header("defects: [{defect: pause-noop}]\nsteps:\n  - sleep: {ms: 1}\n");
+    check_err(&text, "bad.yaml:5:12: missing field `fails_at`");
+}
+
+#[test]
+fn fails_at_must_name_exactly_one_step() {
+    let steps = "steps:\n  - request: {name: pause, method: POST, path: /v1/x}\n  - sleep: {ms: 1}\n  - sleep: {ms: 2}\n";
+    let ok = header(&format!(
+        "defects: [{{defect: pause-noop, fails_at: pause}}, {{defect: ttl-not-enforced, fails_at: POST /v1/y}}]\n{steps}"
+    ));
+    check_err(
+        &ok,
+        "bad.yaml:5:87: `fails_at: POST /v1/y` names no step (a step's `name`",
+    );
+    let twice = header(&format!(
+        "defects: [{{defect: pause-noop, fails_at: sleep}}]\n{steps}"
+    ));
+    check_err(
+        &twice,
+        "bad.yaml:5:42: `fails_at: sleep` names 2 steps; give the failing one a unique `name`",
+    );
+    let named_twice = header(&format!(
+        "defects: [{{defect: pause-noop, fails_at: pause}}, {{defect: pause-noop, fails_at: pause}}]\n{steps}"
+    ));
+    check_err(
+        &named_twice,
+        "bad.yaml:5:59: defect `pause-noop` is named twice",
+    );
+    let good = header(&format!(
+        "defects: [{{defect: pause-noop, fails_at: pause}}]\n{steps}"
+    ));
+    let s = parse_str(Path::new("good.yaml"), &good).unwrap();
+    assert_eq!(s.fails_at(&s.defects[0]).as_deref(), Some("steps[0] pause"));
+}
+
+#[test]
+fn cleanup_steps_are_not_failing_steps() {
+    let text = header(
+        "defects: [{defect: pause-noop, fails_at: undo}]\nsteps:\n  - sleep: {ms: 1}\ncleanup:\n  - request: {name: undo, method: DELETE, path: /v1/x}\n",
+    );
+    check_err(&text, "bad.yaml:5:42: `fails_at: undo` names no step");
 }
 
 #[test]
 fn unknown_defect_and_capability() {
-    let text = header("defects: [no-such-bug]\nrequires: [teleport]\nsteps:\n  - sleep: {ms: 1}\n");
-    check_err(&text, "bad.yaml:5:11: unknown defect `no-such-bug`");
+    let text = header(
+        "defects: [{defect: no-such-bug, fails_at: sleep}]\nrequires: [teleport]\nsteps:\n  - sleep: {ms: 1}\n",
+    );
+    check_err(&text, "bad.yaml:5:20: unknown defect `no-such-bug`");
     check_err(&text, "bad.yaml:6:12: unknown capability `teleport`");
 }
 

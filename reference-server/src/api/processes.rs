@@ -202,7 +202,10 @@ pub async fn start(
             .spawn(sandbox_local, rec.clone(), &spec, &env_of(&current))
             .await
         {
-            if let Err(e) = state.store.delete(Kind::Process, &rec.id).await {
+            // With `failed-start-leaves-process` the record stored above is kept.
+            if !state.config.defects.has(Defect::FailedStartLeavesProcess)
+                && let Err(e) = state.store.delete(Kind::Process, &rec.id).await
+            {
                 tracing::warn!(error = %e, "could not remove the record of a failed start");
             }
             return Err(e.into());
@@ -282,11 +285,25 @@ struct Output {
 
 pub async fn output(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: Result<Caller, ApiError>,
     Path(id): Path<String>,
     query: QueryPairs,
 ) -> Result<Response, ApiError> {
-    let rec = lookup::qualified(&state, Kind::Process, &caller.principal, &id).await?;
+    let caller = match caller {
+        Ok(caller) => Some(caller),
+        // The defect: a route that never asks who is calling.
+        Err(ApiError::Unauthenticated)
+            if state.config.defects.has(Defect::ProcessOutputSkipsAuth) =>
+        {
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let scope = match &caller {
+        Some(caller) => Scope::Owner(&caller.principal),
+        None => Scope::System,
+    };
+    let rec = lookup::qualified_in(&state, Kind::Process, scope, &id).await?;
     let process = process_of(&rec)?;
     if process.output_expired {
         return Err(ApiError::OutputExpired);
@@ -300,8 +317,8 @@ pub async fn output(
             .ok_or_else(|| ApiError::invalid("after", "after must be a non-negative offset"))?,
     };
     let stream = process_stream(&rec.id);
-    // A process that keeps nothing for a client that is not attached: only what an event
-    // stream has already carried is readable.
+    // A process that keeps nothing once its client has gone: after a stream was read, only
+    // what a stream has carried is readable.
     let readable_through = if state.config.defects.has(Defect::OutputLostOnDisconnect) {
         state
             .delivered
@@ -309,7 +326,8 @@ pub async fn output(
             .unwrap_or_else(|e| e.into_inner())
             .get(&rec.id)
             .copied()
-            .unwrap_or(0)
+            // Nobody streamed it, so nobody went away: everything is kept.
+            .unwrap_or(i64::MAX)
     } else {
         i64::MAX
     };
@@ -318,11 +336,13 @@ pub async fn output(
         stderr: String::new(),
         next_offset: after,
         complete: false,
-        truncated: rec
-            .body
-            .get("truncated")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        // With `truncation-unreported` what was dropped is not admitted.
+        truncated: !state.config.defects.has(Defect::TruncationUnreported)
+            && rec
+                .body
+                .get("truncated")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
     };
     let mut cursor = after;
     // The runtime records the end of a process just before it appends the `exit` event. A
@@ -460,11 +480,17 @@ pub async fn events(
     };
     let options = Options {
         heartbeat: std::time::Duration::from_secs(limits.heartbeat_interval_s),
-        max_duration: std::time::Duration::from_secs(limits.max_stream_duration_s),
+        max_duration: if state.config.defects.has(Defect::StreamEndsEarly) {
+            // The defect: seconds taken for milliseconds.
+            std::time::Duration::from_millis(limits.max_stream_duration_s)
+        } else {
+            std::time::Duration::from_secs(limits.max_stream_duration_s)
+        },
         shutdown: state.shutdown.clone(),
         skip_first_on_resume: state.config.defects.has(Defect::SseResumeDropsEvent),
         expired_cursor_skips: state.config.defects.has(Defect::ExpiredCursorSkips),
         leak_slot_on_close: state.config.defects.has(Defect::StreamSlotLeakedOnClose),
+        heartbeats_stop: state.config.defects.has(Defect::HeartbeatsStop),
     };
     Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
 }
@@ -507,7 +533,8 @@ pub async fn stdin(
         .write_stdin(
             &rec.id,
             body.value.data.as_bytes(),
-            body.value.eof.unwrap_or(false),
+            // With `stdin-eof-ignored` the end of the input is never passed on.
+            body.value.eof.unwrap_or(false) && !state.config.defects.has(Defect::StdinEofIgnored),
         )
         .await
         .map_err(exited_if_unknown)?;
@@ -521,6 +548,14 @@ pub async fn signal(
     body: Json<SendSignal>,
 ) -> Result<Response, ApiError> {
     let signal = Signal::parse(&body.value.signal)
+        // With `signal-name-unchecked` a name it does not know is taken for the default.
+        .or_else(|| {
+            state
+                .config
+                .defects
+                .has(Defect::SignalNameUnchecked)
+                .then_some(Signal::Term)
+        })
         .ok_or_else(|| ApiError::invalid("signal", "signal must be TERM, KILL or INT"))?;
     let (rec, provider) = running(&state, &caller.principal, &id).await?;
     provider

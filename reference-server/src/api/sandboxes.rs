@@ -293,19 +293,20 @@ pub async fn create(
     validate_env(req.env.as_ref().unwrap_or(&BTreeMap::new()))?;
     validate_timeout(&state, timeout_s, "timeout_s")?;
 
+    // With `quota-checked-outside-lock` the quota is counted here, before the create lock:
+    // concurrent creates all count the same live sandboxes and all see room.
+    let racy_quota = state.config.defects.has(Defect::QuotaCheckedOutsideLock);
+    if racy_quota {
+        check_quota(&state, &caller.principal, &record.id).await?;
+    }
     let task_state = state.clone();
     let principal = caller.principal.clone();
     let create = move || async move {
         let state = task_state;
         {
             let _serial = state.create_lock.lock().await;
-            let live = state
-                .store
-                .list(&ListQuery::new(Kind::Sandbox, Scope::Owner(&principal)))
-                .await?;
-            let live = live.iter().filter(|r| r.id != record.id).count();
-            if live >= state.config.limits.max_sandboxes_per_principal as usize {
-                return Err(ApiError::QuotaExceeded("too many live sandboxes".into()));
+            if !racy_quota {
+                check_quota(&state, &principal, &record.id).await?;
             }
             if state.config.defects.has(Defect::UnsatisfiableLeaks) && !inserted {
                 state.store.insert(&record).await?;
@@ -508,6 +509,21 @@ pub async fn destroy(state: &AppState, rec: &Record) -> Result<(), ApiError> {
         }
     }
     state.store.delete(Kind::Sandbox, &rec.id).await?;
+    Ok(())
+}
+
+/// Refuses a create that would take `principal` past the sandbox quota (the sandbox `id`
+/// being created is not counted). Honest callers hold the create lock from this check to
+/// the insert.
+async fn check_quota(state: &AppState, principal: &str, id: &str) -> Result<(), ApiError> {
+    let live = state
+        .store
+        .list(&ListQuery::new(Kind::Sandbox, Scope::Owner(principal)))
+        .await?;
+    let live = live.iter().filter(|r| r.id != id).count();
+    if live >= state.config.limits.max_sandboxes_per_principal as usize {
+        return Err(ApiError::QuotaExceeded("too many live sandboxes".into()));
+    }
     Ok(())
 }
 

@@ -174,11 +174,17 @@ async fn sse_response(
         .await?;
     let options = Options {
         heartbeat: Duration::from_secs(limits.heartbeat_interval_s),
-        max_duration: Duration::from_secs(limits.max_stream_duration_s),
+        max_duration: if state.config.defects.has(Defect::StreamEndsEarly) {
+            // The defect: seconds taken for milliseconds.
+            Duration::from_millis(limits.max_stream_duration_s)
+        } else {
+            Duration::from_secs(limits.max_stream_duration_s)
+        },
         shutdown: state.shutdown.clone(),
         skip_first_on_resume: state.config.defects.has(Defect::SessionStreamDropsOnResume),
         expired_cursor_skips: state.config.defects.has(Defect::ExpiredCursorSkips),
         leak_slot_on_close: state.config.defects.has(Defect::StreamSlotLeakedOnClose),
+        heartbeats_stop: state.config.defects.has(Defect::HeartbeatsStop),
     };
     Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
 }

@@ -59,6 +59,10 @@ pub enum FileError {
 /// The files of one sandbox.
 pub struct SandboxFiles {
     access: Access,
+    /// The root on disk, and whether reads resolve through it with plain path joins (the
+    /// `read-follows-symlinks` defect: one operation that follows symlinks out).
+    root: PathBuf,
+    read_joined: bool,
 }
 
 /// How paths are resolved below the root.
@@ -83,7 +87,18 @@ impl SandboxFiles {
         } else {
             Access::Confined(Dir::open_ambient_dir(root, ambient_authority())?)
         };
-        Ok(Self { access })
+        Ok(Self {
+            access,
+            root: root.to_owned(),
+            read_joined: false,
+        })
+    }
+
+    /// Defect `read-follows-symlinks`: reads (and only reads) join the path to the root and
+    /// let the OS follow whatever symlink they meet.
+    pub(super) fn reading_through_symlinks(mut self) -> Self {
+        self.read_joined = true;
+        self
     }
 
     pub fn write(&self, path: &str, bytes: &[u8]) -> Result<WriteOutcome, FileError> {
@@ -125,6 +140,13 @@ impl SandboxFiles {
 
     pub fn read(&self, path: &str) -> Result<Vec<u8>, FileError> {
         let rel = normalize(path)?;
+        if self.read_joined {
+            let full = self.root.join(&rel);
+            if std::fs::metadata(&full).map_err(map_io)?.is_dir() {
+                return Err(FileError::WrongKind);
+            }
+            return std::fs::read(full).map_err(map_io);
+        }
         if self.metadata(&rel)?.is_dir {
             return Err(FileError::WrongKind);
         }
@@ -554,6 +576,26 @@ mod tests {
     }
 
     #[cfg(feature = "defects")]
+    #[test]
+    fn defect_read_follows_symlinks_only_on_read() {
+        let (_tmp, root) = setup();
+        let outside = root.parent().unwrap().join("outside-read.txt");
+        std::fs::write(&outside, b"secret").unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        let honest = SandboxFiles::open(&root, false).unwrap();
+        assert!(matches!(honest.read("link"), Err(FileError::InvalidPath)));
+        let files = SandboxFiles::open(&root, false)
+            .unwrap()
+            .reading_through_symlinks();
+        assert_eq!(files.read("link").unwrap(), b"secret");
+        // Every other operation is still confined.
+        assert!(matches!(
+            files.write("link", b"x"),
+            Err(FileError::InvalidPath)
+        ));
+        assert_eq!(std::fs::read(&outside).unwrap(), b"secret");
+    }
+
     #[test]
     fn defect_symlink_escape_follows_links_out() {
         let (tmp, root) = setup();

@@ -510,11 +510,16 @@ impl LocalProvider {
     /// Files of one sandbox, confined to its root.
     pub fn files(&self, local: &str) -> Result<SandboxFiles, ProviderError> {
         let root = self.sandbox_dir(local)?.join("root");
-        SandboxFiles::open(&root, self.defects.has(Defect::SymlinkEscape)).map_err(|e| {
-            match e.kind() {
+        let files = SandboxFiles::open(&root, self.defects.has(Defect::SymlinkEscape)).map_err(
+            |e| match e.kind() {
                 io::ErrorKind::NotFound => ProviderError::NotFound,
                 _ => ProviderError::Io(e),
-            }
+            },
+        )?;
+        Ok(if self.defects.has(Defect::ReadFollowsSymlinks) {
+            files.reading_through_symlinks()
+        } else {
+            files
         })
     }
 

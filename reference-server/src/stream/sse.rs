@@ -226,6 +226,9 @@ pub struct Options {
     /// When set, a stream the client closes before its end keeps its slot (the
     /// `stream-slot-leaked-on-close` defect).
     pub leak_slot_on_close: bool,
+    /// When set, the heartbeat timer is never armed again after the opening heartbeat (the
+    /// `heartbeats-stop` defect): an idle stream goes silent.
+    pub heartbeats_stop: bool,
 }
 
 /// Builds the response: 204 when the subject finished and nothing follows the cursor,
@@ -279,6 +282,7 @@ pub async fn respond(
         done: false,
         ended: false,
         leak_slot_on_close: options.leak_slot_on_close,
+        heartbeats_stop: options.heartbeats_stop,
         slot: Some(slot),
         read_due: true,
     };
@@ -349,6 +353,8 @@ struct Running {
     ended: bool,
     /// The `stream-slot-leaked-on-close` defect.
     leak_slot_on_close: bool,
+    /// The `heartbeats-stop` defect.
+    heartbeats_stop: bool,
     /// Holds the principal's stream slot until the body is dropped, whether the stream
     /// ended or the client closed it.
     slot: Option<StreamSlot>,
@@ -423,18 +429,18 @@ impl Running {
                     // Only events of others: the client has heard nothing, so its heartbeat
                     // is still due on time however busy the log is.
                     if Instant::now() >= self.next_heartbeat {
-                        self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                        self.rearm_heartbeat();
                         return Some(Bytes::from_static(b": ping\n\n"));
                     }
                     continue;
                 }
-                self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                self.rearm_heartbeat();
                 return Some(Bytes::from(chunk));
             }
             if Instant::now() >= self.next_heartbeat {
                 // Due already (the opening heartbeat): written now rather than through a timer,
                 // which would round the deadline up to its next tick.
-                self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                self.rearm_heartbeat();
                 return Some(Bytes::from_static(b": ping\n\n"));
             }
             tokio::select! {
@@ -446,7 +452,7 @@ impl Running {
                     }
                 }
                 () = tokio::time::sleep_until(self.next_heartbeat) => {
-                    self.next_heartbeat = Instant::now() + self.heartbeat_every;
+                    self.rearm_heartbeat();
                     return Some(Bytes::from_static(b": ping\n\n"));
                 }
                 () = tokio::time::sleep_until(self.deadline) => {}
@@ -458,6 +464,16 @@ impl Running {
                 () = self.shutdown.cancelled() => return None,
             }
         }
+    }
+
+    /// Schedules the next heartbeat one interval from now (with `heartbeats-stop`, never: past
+    /// the stream's deadline).
+    fn rearm_heartbeat(&mut self) {
+        self.next_heartbeat = if self.heartbeats_stop {
+            self.deadline + self.heartbeat_every
+        } else {
+            Instant::now() + self.heartbeat_every
+        };
     }
 
     /// Whether the subject has finished with nothing left to read: the stream is over.
@@ -548,6 +564,7 @@ mod tests {
                 skip_first_on_resume: false,
                 expired_cursor_skips: false,
                 leak_slot_on_close: false,
+                heartbeats_stop: false,
             }
         }
 
