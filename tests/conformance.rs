@@ -75,6 +75,7 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
         },
         database_url,
         extra_args: vec![],
+        serve_defaults: false,
     };
     let target = RUNTIME
         .block_on(Target::start_reference(&options))

@@ -6,8 +6,8 @@ mod template;
 
 pub use model::*;
 pub use parse::{
-    CAPABILITIES, LIMIT_KEYS, LoadedScenario, MAX_SLEEP_MS, ParseError, RETENTION_KEYS, load_dir,
-    load_dir_partial, parse_str,
+    CAPABILITIES, FEATURES, LIMIT_KEYS, LoadedScenario, MAX_SLEEP_MS, ParseError, RETENTION_KEYS,
+    load_dir, load_dir_partial, parse_str,
 };
 pub use template::{Atom, Expr, Op, Part, Template, is_var_name, parse_parts};
 
