@@ -1183,10 +1183,17 @@ impl Gateway {
         self.append(&sid, "session.deleted", json!({})).await?;
         self.state.store.delete(Kind::Session, &sid).await?;
         self.forget(&sid);
-        let store = self.state.store.clone();
+        let state = self.state.clone();
         tokio::spawn(async move {
             tokio::time::sleep(DELETED_LOG_GRACE).await;
-            if let Err(e) = store.drop_stream(&session_stream(&sid)).await {
+            // An expiry like the others: it waits while the test control holds expiry.
+            let _pass = loop {
+                match state.expiry_hold.pass().await {
+                    Some(pass) => break pass,
+                    None => tokio::time::sleep(Duration::from_millis(250)).await,
+                }
+            };
+            if let Err(e) = state.store.drop_stream(&session_stream(&sid)).await {
                 tracing::warn!(error = %e, "could not drop a deleted session's log");
             }
         });
