@@ -261,7 +261,7 @@ async fn reap_forever(state: AppState) {
 /// One pass: expired sandboxes, expired process output, expired previews (none while the
 /// test control holds expiry).
 async fn reap_once(state: &AppState) -> anyhow::Result<()> {
-    // A held expiry (TC-9.10) waits; what came due meanwhile goes on the first pass after.
+    // A held expiry (TC-9.11) waits; what came due meanwhile goes on the first pass after.
     let Some(_pass) = state.expiry_hold.pass().await else {
         return Ok(());
     };

@@ -1093,7 +1093,7 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// `POST /v1/test/expiry_hold` (TC-9.10): background expiry waits `hold_s` seconds (0
+    /// `POST /v1/test/expiry_hold` (TC-9.11): background expiry waits `hold_s` seconds (0
     /// releases it), so that a digest comparison sees only what the scenario did.
     async fn hold_expiry(&mut self, hold_s: u64, label: &str) -> Result<(), StepError> {
         let body = serde_json::to_vec(&serde_json::json!({ "hold_s": hold_s }))

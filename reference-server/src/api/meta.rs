@@ -107,10 +107,10 @@ pub struct HoldExpiry {
     hold_s: u64,
 }
 
-/// Longest hold one request may ask for (TC-9.10).
+/// Longest hold one request may ask for (TC-9.11).
 const MAX_HOLD_S: u64 = 3600;
 
-/// TC-9.10: holds background expiry for `hold_s` seconds (0 releases it).
+/// TC-9.11: holds background expiry for `hold_s` seconds (0 releases it).
 pub async fn expiry_hold(
     State(state): State<AppState>,
     _admin: Admin,

@@ -51,12 +51,12 @@ pub struct Inner {
     /// Per process, the last output seq handed to an event stream. Read only by the
     /// `output-lost-on-disconnect` defect.
     pub delivered: Arc<Mutex<HashMap<String, i64>>>,
-    /// Test control (TC-9.10): while held, no background expiry changes durable state, so
+    /// Test control (TC-9.11): while held, no background expiry changes durable state, so
     /// that a digest comparison sees only what the scenario did.
     pub expiry_hold: ExpiryHold,
 }
 
-/// Until when background expiry is held (TC-9.10). A hold ends by itself at that instant,
+/// Until when background expiry is held (TC-9.11). A hold ends by itself at that instant,
 /// so a client that never releases it cannot stop expiry for good.
 #[derive(Default)]
 pub struct ExpiryHold {

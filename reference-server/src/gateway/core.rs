@@ -812,7 +812,7 @@ impl Gateway {
             let purge = last_purge.elapsed() >= PURGE_EVERY;
             if purge {
                 last_purge = Instant::now();
-                // Retention waits while the test control holds expiry (TC-9.10).
+                // Retention waits while the test control holds expiry (TC-9.11).
                 if let Some(_pass) = self.state.expiry_hold.pass().await
                     && let Err(e) = self.expire_results().await
                 {
@@ -971,7 +971,7 @@ impl Gateway {
         if loaded.doc.state == "deleting" {
             return self.drive_cleanup(&mut loaded, &rt).await;
         }
-        // A lease not renewed in time (unless the test control holds expiry, TC-9.10).
+        // A lease not renewed in time (unless the test control holds expiry, TC-9.11).
         let pass = self.state.expiry_hold.pass().await;
         let expired = rt.live().lease_expires.is_some_and(|t| Instant::now() >= t)
             && !self.state.config.defects.has(Defect::LeaseNeverExpires)
