@@ -536,3 +536,72 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
         scenarios.len()
     );
 }
+
+/// Scenarios that need what is beyond the contract skip, with the reason, where the run does
+/// not have it: no admin token given, the fixture model scripts not advertised (dropped here,
+/// as on a server whose workers call a real model).
+#[tokio::test]
+async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let catalog = dir.path().join("catalog");
+    for file in [
+        "lifecycle/create-get-list-kill.yaml",
+        "auth/admin-token-scope.yaml",
+        "sessions/idempotent-submit.yaml",
+    ] {
+        let to = catalog.join(file);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(source.join(file), to).unwrap();
+    }
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // SAFETY: set once, before any thread reads them; the names are unique to this test.
+    unsafe {
+        std::env::set_var("SANDSPEC_CLI_CAPS_OWNER", &server.tokens.owner);
+        std::env::set_var("SANDSPEC_CLI_CAPS_OTHER", &server.tokens.other);
+    }
+    let out = dir.path().join("out");
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--target",
+        &server.url,
+        "--owner-token-env",
+        "SANDSPEC_CLI_CAPS_OWNER",
+        "--other-token-env",
+        "SANDSPEC_CLI_CAPS_OTHER",
+        "--drop-capability",
+        "fixture_models",
+        "--scenarios",
+        &catalog.display().to_string(),
+        "--out",
+        &out.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let outcome = |id: &str| {
+        let s = receipt["predicate"]["scenarios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == id)
+            .unwrap()
+            .clone();
+        (
+            s["outcome"].as_str().unwrap().to_owned(),
+            s["reason"].clone(),
+        )
+    };
+    assert_eq!(outcome("SBX-LIFE-001").0, "pass");
+    let (admin, reason) = outcome("AUTH-ADMIN-001");
+    assert_eq!(admin, "skip");
+    assert_eq!(reason, "no admin token (--admin-token-env)");
+    let (session, reason) = outcome("SUB-IDEM-001");
+    assert_eq!(session, "skip");
+    assert_eq!(reason, "`fixture_models` dropped by --drop-capability");
+}
