@@ -103,6 +103,11 @@ pub struct RunArgs {
     /// Re-run a failed scenario up to N times; a later pass is reported FLAKY.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub retries: u32,
+    /// Wait budget per scenario (`90s`, `2m`, `1h`, or `none` to wait everything out): a
+    /// scenario whose advertised waits (retention, stream duration, ... from the target's
+    /// capabilities, and its own sleeps) exceed it is skipped, with the numbers.
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = parse_max_wait)]
+    pub max_wait: MaxWait,
     /// Allow a target that is not on loopback without asking: a live run against a real
     /// deployment, whose resources are tagged with the run ID and swept at the end.
     #[arg(long, requires = "target")]
@@ -227,6 +232,14 @@ async fn sweep(args: SweepArgs) -> u8 {
     } else {
         EXIT_CONFORMANT
     }
+}
+
+/// `--max-wait`: the wait budget of one scenario; `None` waits everything out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxWait(pub Option<std::time::Duration>);
+
+fn parse_max_wait(s: &str) -> Result<MaxWait, String> {
+    crate::engine::waits::parse_max_wait(s).map(MaxWait)
 }
 
 /// `--shard i/n`.
@@ -478,6 +491,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 defects: args.defect.clone(),
                 database_url: args.database_url.clone(),
                 extra_args: Vec::new(),
+                serve_defaults: false,
             };
             (Target::start_reference(&options).await?, "reference")
         }
@@ -487,6 +501,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .capabilities
         .override_features(&args.assume_capability, &args.drop_capability)
         .map_err(RunError::Usage)?;
+    target.wait_budget = args.max_wait.0;
     // The reference server has a peer only on PostgreSQL: there, scenarios that need one are
     // not applicable (left out, said so, and recorded in the report and the receipt) rather
     // than skipped, which would make the reference's own run partial. A URL target without
@@ -615,6 +630,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     };
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
     print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
+    print_over_budget(&report, args.max_wait);
     let written = write_outputs(
         &args,
         &report,
@@ -831,6 +847,26 @@ fn print_summary(report: &RunReport) {
         .collect();
     if !failed.is_empty() {
         println!("failed: {}", failed.join(" "));
+    }
+}
+
+/// Names every scenario the wait budget skipped (each one's reason has the numbers).
+fn print_over_budget(report: &RunReport, max_wait: MaxWait) {
+    let over: Vec<&str> = report
+        .scenarios
+        .iter()
+        .filter(|s| {
+            matches!(&s.outcome, Outcome::Skip { reason }
+                if reason.starts_with(crate::engine::waits::OVER_BUDGET))
+        })
+        .map(|s| s.id.as_str())
+        .collect();
+    if !over.is_empty() {
+        println!(
+            "skipped over the wait budget (--max-wait {}; `--max-wait none` waits them out): {}",
+            crate::engine::waits::format_budget(max_wait.0),
+            over.join(" ")
+        );
     }
 }
 

@@ -136,13 +136,7 @@ impl Capabilities {
     /// Applies command-line overrides: features to treat as advertised, and features to
     /// treat as missing (their scenarios are skipped). Only feature names are accepted.
     pub fn override_features(&mut self, assume: &[String], drop: &[String]) -> Result<(), String> {
-        const FEATURES: &[&str] = &[
-            "pause",
-            "snapshots",
-            "previews",
-            "test_controls",
-            "sessions",
-        ];
+        use crate::scenario::FEATURES;
         for name in assume.iter().chain(drop) {
             if !FEATURES.contains(&name.as_str()) {
                 return Err(format!(
@@ -215,6 +209,9 @@ pub struct Target {
     /// A second endpoint of the same deployment (another server process on the same
     /// database), for scenarios that `require: [peer]`.
     pub peer: Option<Peer>,
+    /// The run's wait budget (`--max-wait`): a scenario whose advertised waits exceed it is
+    /// skipped. `None` waits everything out.
+    pub wait_budget: Option<Duration>,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
 }
@@ -319,6 +316,7 @@ impl Target {
             capabilities,
             ca,
             peer: None,
+            wait_budget: None,
             _server: None,
         })
     }
@@ -363,6 +361,7 @@ impl Target {
             capabilities,
             ca: None,
             peer,
+            wait_budget: None,
             _server: Some(server),
         })
     }
@@ -451,6 +450,9 @@ pub struct ReferenceOptions {
     pub database_url: Option<String>,
     /// Extra flags for `sandspec serve` (e.g. `--tls-cert`).
     pub extra_args: Vec<String>,
+    /// Start with `sandspec serve`'s own limits and retentions (what a deployment runs)
+    /// instead of [`REFERENCE_FAST_SETTINGS`].
+    pub serve_defaults: bool,
 }
 
 /// Limits and retention the runner gives the reference server it starts, so that
@@ -524,7 +526,9 @@ impl ReferenceServer {
         if let Some(url) = &options.database_url {
             cmd.arg("--database-url").arg(url);
         }
-        cmd.args(REFERENCE_FAST_SETTINGS);
+        if !options.serve_defaults {
+            cmd.args(REFERENCE_FAST_SETTINGS);
+        }
         cmd.args(&options.extra_args);
         // Its own process group: a Ctrl-C at the terminal reaches the runner, which finishes
         // the running scenarios against a server that is still there.

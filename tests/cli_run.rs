@@ -562,3 +562,188 @@ fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
     );
     assert!(summary.contains("`FLT-PEER-001`"), "{summary}");
 }
+
+/// Against `sandspec serve` started with its own defaults (300 s streams, 3,600 s retentions:
+/// what a deployment runs), `sandspec run --target` ends within the default wait budget: the
+/// scenarios that would wait those out are skipped with the numbers, the verdict is `partial`
+/// and names each of them, and nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn default_serve_ends_partial_within_the_wait_budget() {
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        serve_defaults: true,
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let (owner, other, admin) = (
+        "SANDSPEC_CLI_DEFAULTS_OWNER",
+        "SANDSPEC_CLI_DEFAULTS_OTHER",
+        "SANDSPEC_CLI_DEFAULTS_ADMIN",
+    );
+    // SAFETY: set once, before any thread reads them; the names are unique to this test.
+    unsafe {
+        std::env::set_var(owner, &server.tokens.owner);
+        std::env::set_var(other, &server.tokens.other);
+        std::env::set_var(admin, server.tokens.admin.as_deref().unwrap());
+    }
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--target",
+        &server.url,
+        "--owner-token-env",
+        owner,
+        "--other-token-env",
+        other,
+        "--admin-token-env",
+        admin,
+        "--out",
+        &out.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(
+        args.run.max_wait,
+        sandspec::cli::MaxWait(Some(std::time::Duration::from_secs(120)))
+    );
+    let code = sandspec::cli::run(args.run).await;
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let report = &receipt["predicate"];
+    let scenarios = report["scenarios"].as_array().unwrap();
+    let failed: Vec<String> = scenarios
+        .iter()
+        .filter(|s| s["outcome"] == "fail" || s["outcome"] == "error")
+        .map(|s| format!("{}: {}", s["id"], s["reason"]))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "against default serve:\n{}",
+        failed.join("\n")
+    );
+    assert_eq!(code, ExitCode::from(1), "partial is not conformant");
+    let over_budget: Vec<&str> = scenarios
+        .iter()
+        .filter(|s| {
+            s["outcome"] == "skip"
+                && s["reason"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("over the wait budget: advertised waits of ")
+        })
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    // The hour-long retentions and five-minute streams are over two minutes, with the
+    // advertised numbers in the reason.
+    for id in [
+        "PRC-RET-001",
+        "PRC-RET-002",
+        "RET-RESULT-001",
+        "SSE-EXPIRE-001",
+        "SSE-BOUND-001",
+        "SSE-SES-002",
+    ] {
+        assert!(
+            over_budget.contains(&id),
+            "{id} not skipped: {over_budget:?}"
+        );
+    }
+    let result_expires = scenarios
+        .iter()
+        .find(|s| s["id"] == "RET-RESULT-001")
+        .unwrap();
+    assert!(
+        result_expires["reason"]
+            .as_str()
+            .unwrap()
+            .contains("retention.result_s + 5 = 3605 s"),
+        "{result_expires}"
+    );
+    let all = report["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["profile"] == "all")
+        .unwrap();
+    assert_eq!(all["verdict"], "partial");
+    let reason = all["reason"].as_str().unwrap();
+    for id in &over_budget {
+        assert!(reason.contains(id), "the verdict names {id}: {reason}");
+    }
+    // The scenarios within the budget ran: more passed than were skipped.
+    let passed = scenarios.iter().filter(|s| s["outcome"] == "pass").count();
+    assert!(
+        passed > scenarios.len() / 2,
+        "{passed} of {} passed",
+        scenarios.len()
+    );
+}
+
+/// Scenarios that need what is beyond the contract skip, with the reason, where the run does
+/// not have it: no admin token given, the fixture model scripts not advertised (dropped here,
+/// as on a server whose workers call a real model).
+#[tokio::test]
+async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let catalog = dir.path().join("catalog");
+    for file in [
+        "lifecycle/create-get-list-kill.yaml",
+        "auth/admin-token-scope.yaml",
+        "sessions/idempotent-submit.yaml",
+    ] {
+        let to = catalog.join(file);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(source.join(file), to).unwrap();
+    }
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // SAFETY: set once, before any thread reads them; the names are unique to this test.
+    unsafe {
+        std::env::set_var("SANDSPEC_CLI_CAPS_OWNER", &server.tokens.owner);
+        std::env::set_var("SANDSPEC_CLI_CAPS_OTHER", &server.tokens.other);
+    }
+    let out = dir.path().join("out");
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--target",
+        &server.url,
+        "--owner-token-env",
+        "SANDSPEC_CLI_CAPS_OWNER",
+        "--other-token-env",
+        "SANDSPEC_CLI_CAPS_OTHER",
+        "--drop-capability",
+        "fixture_models",
+        "--scenarios",
+        &catalog.display().to_string(),
+        "--out",
+        &out.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let outcome = |id: &str| {
+        let s = receipt["predicate"]["scenarios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == id)
+            .unwrap()
+            .clone();
+        (
+            s["outcome"].as_str().unwrap().to_owned(),
+            s["reason"].clone(),
+        )
+    };
+    assert_eq!(outcome("SBX-LIFE-001").0, "pass");
+    let (admin, reason) = outcome("AUTH-ADMIN-001");
+    assert_eq!(admin, "skip");
+    assert_eq!(reason, "no admin token (--admin-token-env)");
+    let (session, reason) = outcome("SUB-IDEM-001");
+    assert_eq!(session, "skip");
+    assert_eq!(reason, "`fixture_models` dropped by --drop-capability");
+}

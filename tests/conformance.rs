@@ -88,6 +88,7 @@ fn start(store: Store<'_>) -> Option<Target> {
         },
         database_url,
         extra_args: vec![],
+        serve_defaults: false,
     };
     let target = RUNTIME
         .block_on(Target::start_reference(&options))

@@ -258,8 +258,13 @@ async fn reap_forever(state: AppState) {
     }
 }
 
-/// One pass: expired sandboxes, expired process output, expired previews.
+/// One pass: expired sandboxes, expired process output, expired previews (none while the
+/// test control holds expiry).
 async fn reap_once(state: &AppState) -> anyhow::Result<()> {
+    // A held expiry (TC-9.11) waits; what came due meanwhile goes on the first pass after.
+    let Some(_pass) = state.expiry_hold.pass().await else {
+        return Ok(());
+    };
     if !state.config.defects.has(Defect::TtlNotEnforced) {
         for rec in state.store.due(Kind::Sandbox, now(), REAP_BATCH).await? {
             let sandbox: Sandbox = serde_json::from_value(rec.body.clone())?;

@@ -39,7 +39,9 @@ async fn capabilities_describe_providers_features_limits_and_retention() {
             "snapshots",
             "previews",
             "sessions",
-            "test_controls"
+            "fixture_models",
+            "test_controls",
+            "expiry_hold"
         ])
     );
     assert_eq!(caps["limits"]["max_streams_per_principal"], 3);
@@ -59,7 +61,23 @@ async fn capabilities_describe_providers_features_limits_and_retention() {
     let caps = app.get(ALICE, "/v1/capabilities").await.ok(200);
     assert_eq!(
         caps["features"],
-        json!(["pause", "snapshots", "previews", "sessions"])
+        json!([
+            "pause",
+            "snapshots",
+            "previews",
+            "sessions",
+            "fixture_models"
+        ])
+    );
+    // Workers pointed at a real model endpoint make the fixture scripts moot.
+    let app = spawn_app(|c| c.gateway.model_base_url = Some("http://127.0.0.1:9/v1".into())).await;
+    let caps = app.get(ALICE, "/v1/capabilities").await.ok(200);
+    assert!(
+        !caps["features"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("fixture_models")),
+        "{caps}"
     );
 }
 
@@ -1961,4 +1979,45 @@ async fn shutdown_ends_open_streams_and_every_sandbox_process() {
         state.is_empty() || state.contains(") Z "),
         "process {pid} still runs: {state}"
     );
+}
+
+#[tokio::test]
+async fn a_held_expiry_changes_nothing_until_released() {
+    let app = spawn_app(|c| {
+        c.retention.process_output_s = 1;
+        c.limits.reaper_interval_ms = 50;
+    })
+    .await;
+    // Only the admin holds expiry, and only for a bounded time.
+    app.post(ALICE, "/v1/test/expiry_hold", json!({"hold_s": 60}))
+        .await
+        .problem(403, "permission_denied");
+    let too_long = app
+        .post(ADMIN, "/v1/test/expiry_hold", json!({"hold_s": 3601}))
+        .await;
+    assert_eq!(too_long.problem(400, "invalid_argument")["param"], "hold_s");
+    app.post(ADMIN, "/v1/test/expiry_hold", json!({"hold": true}))
+        .await
+        .problem(400, "invalid_argument");
+
+    let sbx = app.create_sandbox(ALICE, json!({})).await;
+    let sbx = sbx["id"].as_str().unwrap();
+    app.post(ADMIN, "/v1/test/expiry_hold", json!({"hold_s": 60}))
+        .await
+        .ok(204);
+    let pid = app.start(ALICE, sbx, &["true"]).await;
+    let pid = pid["id"].as_str().unwrap();
+    app.wait_process(ALICE, pid).await;
+    let digest = app.digest().await;
+    // Well past the output's retention and many reaper passes: the hold keeps it all.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(app.digest().await, digest, "nothing expired while held");
+    app.post(ADMIN, "/v1/test/expiry_hold", json!({"hold_s": 0}))
+        .await
+        .ok(204);
+    // Released: the output that came due meanwhile expires on a later pass.
+    poll(|| async { (app.digest().await != digest).then_some(()) }).await;
+    app.get(ALICE, &format!("/v1/processes/{pid}/output"))
+        .await
+        .problem(410, "output_expired");
 }

@@ -6,6 +6,7 @@ mod outcome;
 mod run;
 mod transcript;
 mod vars;
+pub mod waits;
 
 pub use outcome::Outcome;
 pub use run::{ScenarioRun, run_scenario, run_with_retries, skip_reason};

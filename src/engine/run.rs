@@ -112,6 +112,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         ledger: Vec::new(),
         saw_success: false,
         secrets: Vec::new(),
+        expiry_held: false,
     };
     let mut outcome = Outcome::Pass;
     for (i, step) in scenario.steps.iter().enumerate() {
@@ -133,6 +134,12 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         }
     }
     outcome = outcome.combine(ctx.sweep().await);
+    if ctx.expiry_held {
+        let label = "release the expiry hold";
+        if let Err(e) = ctx.hold_expiry(0, label).await {
+            outcome = outcome.combine(e.into_outcome(label.to_owned()));
+        }
+    }
     // No vacuous passes: a scenario none of whose requests succeeded proves nothing, unless
     // that is its point (every step expected an error status).
     if outcome == Outcome::Pass && !ctx.saw_success && expects_some_success(scenario) {
@@ -155,14 +162,17 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     run
 }
 
-/// Why a scenario cannot run against this target, if it cannot.
+/// Why a scenario cannot run against this target, if it cannot: a requirement the target
+/// does not meet, or advertised waits over the run's wait budget.
 pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
     for cap in &scenario.requires {
-        if cap.value == "peer" {
-            if target.peer.is_none() {
-                return Some(crate::target::NO_PEER.to_owned());
+        match cap.value.as_str() {
+            "peer" if target.peer.is_none() => return Some(crate::target::NO_PEER.to_owned()),
+            "admin_token" if target.tokens.admin.is_none() => {
+                return Some("no admin token (--admin-token-env)".into());
             }
-            continue;
+            "peer" | "admin_token" => continue,
+            _ => {}
         }
         if !target.capabilities.has(&cap.value) {
             let advertised = target.capabilities.raw["features"]
@@ -175,25 +185,10 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             });
         }
     }
-    if target.tokens.admin.is_none() && uses_admin(scenario) {
-        return Some("no admin token (--admin-token-env)".into());
+    if let Some(budget) = target.wait_budget {
+        return super::waits::over_budget(scenario, &target.capabilities, budget);
     }
     None
-}
-
-fn uses_admin(s: &Scenario) -> bool {
-    s.steps.iter().chain(&s.cleanup).any(|step| match step {
-        Step::Digest(_) | Step::ExpectDigestUnchanged(_) => true,
-        Step::Request(r) => r.principal == Principal::Admin,
-        Step::Poll(p) => p.request.principal == Principal::Admin,
-        Step::Parallel(p) => p
-            .request
-            .iter()
-            .chain(&p.requests)
-            .any(|r| r.principal == Principal::Admin),
-        Step::Sse(s) => s.principal == Principal::Admin,
-        _ => false,
-    })
 }
 
 /// Whether some step of the scenario expects a 2xx (then at least one must have happened).
@@ -274,7 +269,14 @@ struct Ctx<'a> {
     saw_success: bool,
     /// Values of captures marked secret.
     secrets: Vec<String>,
+    /// Whether this run holds the target's background expiry (from its first `digest` step
+    /// until after cleanup).
+    expiry_held: bool,
 }
+
+/// How long a digest scenario holds background expiry at most: released after its cleanup,
+/// and ending by itself if the runner never gets that far.
+const HOLD_EXPIRY_S: u64 = 300;
 
 /// A request ready to send.
 struct Prepared {
@@ -304,6 +306,10 @@ impl<'a> Ctx<'a> {
             Step::Poll(p) => self.poll(p, label).await,
             Step::Sse(s) => self.sse(s, label).await,
             Step::Digest(d) => {
+                if !self.expiry_held {
+                    self.hold_expiry(HOLD_EXPIRY_S, label).await?;
+                    self.expiry_held = true;
+                }
                 let digest = self.digest(label).await?;
                 self.digests.insert(d.into.value.clone(), digest);
                 Ok(())
@@ -1081,6 +1087,32 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// `POST /v1/test/expiry_hold` (TC-9.11): background expiry waits `hold_s` seconds (0
+    /// releases it), so that a digest comparison sees only what the scenario did.
+    async fn hold_expiry(&mut self, hold_s: u64, label: &str) -> Result<(), StepError> {
+        let body = serde_json::to_vec(&serde_json::json!({ "hold_s": hold_s }))
+            .expect("a JSON object serializes");
+        let p = Prepared {
+            via: Via::Primary,
+            method: Method::Post,
+            target: "/v1/test/expiry_hold".into(),
+            principal: Principal::Admin,
+            headers: Vec::new(),
+            literal_auth: false,
+            body: Some((body, "application/json".into())),
+        };
+        let client = self.target.client.clone();
+        let obs = self.send(&client, &p, label).await?;
+        if obs.status == 204 {
+            Ok(())
+        } else {
+            Err(StepError::Fail(format!(
+                "POST /v1/test/expiry_hold {{\"hold_s\":{hold_s}}}: status {}, expected 204",
+                obs.status
+            )))
+        }
+    }
+
     async fn digest(&mut self, label: &str) -> Result<String, StepError> {
         let p = Prepared {
             via: Via::Primary,
@@ -1177,7 +1209,42 @@ impl<'a> Ctx<'a> {
         )))
     }
 
+    /// Sends the group once, or (with `within_s`) until its tallies hold.
     async fn parallel(&mut self, p: &Parallel, label: &str) -> Result<(), StepError> {
+        let Some(within_s) = &p.within_s else {
+            return self.parallel_once(p, label, false).await;
+        };
+        let within = Duration::from_secs(u64::try_from(self.vars.num(within_s)?).unwrap_or(0));
+        let every = Duration::from_millis(p.every_ms.as_ref().map_or(1000, |e| e.value));
+        let deadline = Instant::now() + within;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            match self.parallel_once(p, label, true).await {
+                Ok(()) => return Ok(()),
+                Err(StepError::Fail(msg)) if Instant::now() + every <= deadline => {
+                    self.note(format!("{label}: attempt {attempts} did not hold: {msg}"));
+                }
+                Err(StepError::Fail(msg)) => {
+                    return Err(StepError::Fail(format!(
+                        "still not holding after {attempts} attempts in {}s: {msg}",
+                        within.as_secs()
+                    )));
+                }
+                Err(other) => return Err(other),
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// One attempt of a `parallel` group. `close_streams`: a granted event stream is judged
+    /// on its status and headers and then closed instead of being read to its end.
+    async fn parallel_once(
+        &mut self,
+        p: &Parallel,
+        label: &str,
+        close_streams: bool,
+    ) -> Result<(), StepError> {
         let mut prepared = Vec::new();
         if let Some(r) = &p.request {
             let n = p
@@ -1203,6 +1270,22 @@ impl<'a> Ctx<'a> {
                     Ok(resp) => {
                         let status = resp.status().as_u16();
                         let headers = resp.headers().clone();
+                        let stream = headers
+                            .get(reqwest::header::CONTENT_TYPE)
+                            .and_then(|v| v.to_str().ok())
+                            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+                        if close_streams && stream && resp.status().is_success() {
+                            // Dropping the response closes its connection.
+                            drop(resp);
+                            return (
+                                Ok(Observed {
+                                    status,
+                                    headers,
+                                    body: Default::default(),
+                                }),
+                                sent.elapsed(),
+                            );
+                        }
                         resp.bytes()
                             .await
                             .map(|body| Observed {

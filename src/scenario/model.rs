@@ -620,6 +620,15 @@ pub struct Parallel {
     pub repeat: Option<NumExpr>,
     /// How the responses must be distributed.
     pub expect: Vec<Tally>,
+    /// Send the group again until its tallies hold, for at most this many seconds (a number
+    /// or an expression): for counts that settle a moment later, such as a stream slot
+    /// released once the server sees a close. With it, a granted event stream is judged on
+    /// its status and headers and then closed, not read to its end.
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// Pause between attempts (with `within_s`); 1000 ms unless given.
+    #[serde(default)]
+    pub every_ms: Option<Located<u64>>,
 }
 
 /// "exactly N responses with this status (and code)", or "all the rest".

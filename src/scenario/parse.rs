@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 
 use super::model::{
-    Capture, Expect, HeaderCheck, JsonCheck, Level, Located, NumExpr, Pos, Request, Scenario, Step,
-    Via,
+    Capture, Expect, HeaderCheck, JsonCheck, Level, Located, NumExpr, Pos, Principal, Request,
+    Scenario, Step, Via,
 };
 use super::template::{Template, parse_parts};
 
@@ -33,16 +33,34 @@ pub const LIMIT_KEYS: &[&str] = &[
 /// Retention keys a scenario may refer to as `{{retention.<key>}}`.
 pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s", "idempotency_s"];
 
-/// Capabilities a scenario may require. Features come from `capabilities.features`;
-/// `two_providers` means at least two providers are advertised (for `{{provider.other}}`).
+/// Capabilities a scenario may require. Features come from `capabilities.features`
+/// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
+/// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
+/// endpoint, the test-controls admin token).
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
     "previews",
     "test_controls",
     "sessions",
+    "fixture_models",
+    "expiry_hold",
     "two_providers",
     "peer",
+    "admin_token",
+];
+
+/// Capabilities a target advertises in `capabilities.features`: the optional parts of the
+/// contract, and what only a test deployment offers (test controls, the fixture model
+/// scripts, the expiry hold).
+pub const FEATURES: &[&str] = &[
+    "pause",
+    "snapshots",
+    "previews",
+    "test_controls",
+    "sessions",
+    "fixture_models",
+    "expiry_hold",
 ];
 
 /// Longest `sleep` a scenario may ask for.
@@ -375,6 +393,8 @@ impl Checker<'_> {
             }
             Step::Sse(sse) => {
                 self.via(sse.via, sse.path.pos, ctx);
+                self.principal(sse.principal, sse.path.pos, ctx);
+                self.test_control(&sse.path, ctx);
                 self.template(&sse.path, scope, ctx);
                 for t in sse.headers.values().chain(sse.query.values()) {
                     self.template(t, scope, ctx);
@@ -422,10 +442,19 @@ impl Checker<'_> {
                 }
             }
             Step::Digest(d) => {
-                if !ctx.requires.contains("test_controls") {
+                // The digest is a test control read with the admin token, and a comparison
+                // holds background expiry so that only the scenario's own requests count.
+                let missing: Vec<&str> = ["test_controls", "expiry_hold", "admin_token"]
+                    .into_iter()
+                    .filter(|c| !ctx.requires.contains(c))
+                    .collect();
+                if !missing.is_empty() {
                     self.err(
                         Pos::of(&d.into),
-                        "a `digest` step needs `requires: [test_controls]`",
+                        format!(
+                            "a `digest` step needs `requires: [test_controls, expiry_hold, admin_token]` (missing: {})",
+                            missing.join(", ")
+                        ),
                     );
                 }
                 scope.digests.insert(d.into.value.clone());
@@ -446,6 +475,7 @@ impl Checker<'_> {
                 }
             }
             Step::Snapshot(snap) => {
+                self.principal(snap.principal, Pos::of(&snap.into), ctx);
                 scope.snapshots.insert(snap.into.value.clone());
             }
             Step::ExpectSnapshotUnchanged(since) if ctx.cleanup => self.err(
@@ -475,6 +505,14 @@ impl Checker<'_> {
                 }
                 for r in p.request.iter().chain(&p.requests) {
                     self.request(r, scope, ctx, true);
+                }
+                match (&p.within_s, &p.every_ms) {
+                    (Some(n), _) => self.num(n, scope, ctx),
+                    (None, Some(every)) => self.err(
+                        Pos::of(every),
+                        "`every_ms` paces the attempts of `within_s`, which is not given",
+                    ),
+                    (None, None) => {}
                 }
                 let rests = p.expect.iter().filter(|t| t.rest).count();
                 if rests > 1 {
@@ -506,6 +544,7 @@ impl Checker<'_> {
                 }
             }
             Step::Absent(a) => {
+                self.principal(a.principal, a.path.pos, ctx);
                 for t in [&a.path, &a.list, &a.id] {
                     self.template(t, scope, ctx);
                 }
@@ -515,6 +554,17 @@ impl Checker<'_> {
 
     fn request(&mut self, r: &Request, scope: &mut Scope, ctx: &Ctx<'_>, in_parallel: bool) {
         self.via(r.via, r.path.pos, ctx);
+        self.principal(r.principal, r.path.pos, ctx);
+        self.test_control(&r.path, ctx);
+        if let Some(json) = &r.json
+            && names_a_model(&json.value)
+            && !ctx.requires.contains("fixture_models")
+        {
+            self.err(
+                Pos::of(json),
+                "`agent.model` names a fixture model script: needs `requires: [fixture_models]`",
+            );
+        }
         self.template(&r.path, scope, ctx);
         for t in r.headers.values().chain(r.query.values()) {
             self.template(t, scope, ctx);
@@ -761,6 +811,26 @@ impl Checker<'_> {
         }
     }
 
+    /// Acting as the admin needs the admin token, which only some runs are given.
+    fn principal(&mut self, principal: Principal, pos: Pos, ctx: &Ctx<'_>) {
+        if principal == Principal::Admin && !ctx.requires.contains("admin_token") {
+            self.err(pos, "`as: admin` needs `requires: [admin_token]`");
+        }
+    }
+
+    /// Test controls (`/v1/test/...`, protocol §9) exist only where advertised.
+    fn test_control(&mut self, path: &Template, ctx: &Ctx<'_>) {
+        if path.raw.starts_with("/v1/test/") && !ctx.requires.contains("test_controls") {
+            self.err(
+                path.pos,
+                format!(
+                    "`{}` is a test control: needs `requires: [test_controls]`",
+                    path.raw
+                ),
+            );
+        }
+    }
+
     /// A step sent through the peer needs a target that has one.
     fn via(&mut self, via: Via, pos: Pos, ctx: &Ctx<'_>) {
         if via == Via::Peer && !ctx.requires.contains("peer") {
@@ -855,6 +925,15 @@ fn collect_strings<'v>(v: &'v serde_json::Value, out: &mut Vec<&'v str>) {
         }
         _ => {}
     }
+}
+
+/// Whether a request body names an agent model (`{"agent": {"model": "<name>"}}`): the
+/// name of a fixture model script, since no real model answers the same way twice.
+fn names_a_model(body: &serde_json::Value) -> bool {
+    body.get("agent")
+        .and_then(|a| a.get("model"))
+        .and_then(|m| m.as_str())
+        .is_some_and(|m| !m.is_empty())
 }
 
 fn has_expectations(e: &Expect) -> bool {

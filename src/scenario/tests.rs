@@ -474,3 +474,86 @@ fn unknown_via_is_an_error_at_its_line() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn what_goes_beyond_the_contract_must_be_declared() {
+    // A test control, acting as the admin, a fixture model script: each refused where it is
+    // written until the scenario requires it.
+    check_err(
+        &header(
+            "steps:\n  - request: {method: GET, path: /v1/test/providers/local/create_delay}\n",
+        ),
+        "bad.yaml:6:34: `/v1/test/providers/local/create_delay` is a test control: needs `requires: [test_controls]`",
+    );
+    check_err(
+        &header(
+            "requires: [test_controls]\nsteps:\n  - request: {as: admin, method: GET, path: /v1/test/x}\n",
+        ),
+        "bad.yaml:7:45: `as: admin` needs `requires: [admin_token]`",
+    );
+    check_err(
+        &header("steps:\n  - sse: {as: admin, path: /v1/test/x}\n"),
+        "bad.yaml:6:28: `as: admin` needs `requires: [admin_token]`",
+    );
+    check_err(
+        &header("steps:\n  - absent: {as: admin, path: /v1/x, list: /v1/y, id: z}\n"),
+        "bad.yaml:6:31: `as: admin` needs",
+    );
+    check_err(
+        &header(
+            "steps:\n  - poll:\n      within_s: 5\n      request: {as: admin, method: GET, path: /v1/x}\n",
+        ),
+        "bad.yaml:8:47: `as: admin` needs", // the poll's request, at its path
+    );
+    check_err(
+        &header(
+            "requires: [sessions]\nsteps:\n  - request:\n      method: POST\n      path: /v1/sessions\n      json: {agent: {model: echo}}\n",
+        ),
+        "bad.yaml:10:13: `agent.model` names a fixture model script: needs `requires: [fixture_models]`",
+    );
+    check_err(
+        &header("requires: [test_controls]\nsteps:\n  - digest: {into: before}\n"),
+        "bad.yaml:7:20: a `digest` step needs `requires: [test_controls, expiry_hold, admin_token]` (missing: expiry_hold, admin_token)",
+    );
+    check_err(
+        &header("requires: [teleport]\nsteps:\n  - request: {method: GET, path: /v1/x}\n"),
+        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token)",
+    );
+    // Declared, they parse; an empty model names no script (a validation check).
+    let text = header(
+        "requires: [test_controls, admin_token, fixture_models, expiry_hold]\nsteps:\n  - request: {as: admin, method: POST, path: /v1/test/digest}\n  - request: {method: POST, path: /v1/sessions, json: {agent: {model: echo}}}\n  - digest: {into: before}\n  - expect_digest_unchanged: {since: before}\n",
+    );
+    parse_str(Path::new("good.yaml"), &text).unwrap();
+    let text = header(
+        "steps:\n  - request: {method: POST, path: /v1/sessions, json: {agent: {model: \"\"}}, expect: {status: 400}}\n",
+    );
+    parse_str(Path::new("good.yaml"), &text).unwrap();
+}
+
+#[test]
+fn a_parallel_group_may_retry_for_a_bounded_time() {
+    let text = header(
+        "steps:\n  - parallel:\n      within_s: limits.heartbeat_interval_s + 15\n      every_ms: 1500\n      repeat: 2\n      request: {method: GET, path: /v1/x}\n      expect: [{status: 200, rest: true}]\n",
+    );
+    let s = parse_str(Path::new("good.yaml"), &text).unwrap();
+    let Step::Parallel(p) = &s.steps[0] else {
+        panic!("a parallel group")
+    };
+    assert_eq!(p.every_ms.as_ref().map(|e| e.value), Some(1500));
+    assert_eq!(
+        p.within_s.as_ref().unwrap().expr.to_string(),
+        "limits.heartbeat_interval_s + 15"
+    );
+    check_err(
+        &header(
+            "steps:\n  - parallel:\n      every_ms: 1500\n      repeat: 2\n      request: {method: GET, path: /v1/x}\n      expect: [{status: 200, rest: true}]\n",
+        ),
+        "bad.yaml:7:17: `every_ms` paces the attempts of `within_s`, which is not given",
+    );
+    check_err(
+        &header(
+            "steps:\n  - parallel:\n      within_s: limits.nope\n      repeat: 2\n      request: {method: GET, path: /v1/x}\n      expect: [{status: 200, rest: true}]\n",
+        ),
+        "bad.yaml:7:17: unknown variable `limits.nope`",
+    );
+}

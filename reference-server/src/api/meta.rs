@@ -39,8 +39,14 @@ pub async fn capabilities(
         })
         .collect();
     let mut features = vec!["pause", "snapshots", "previews", "sessions"];
+    // Workers answer `agent.model` from the fixture scripts only when no real model endpoint
+    // (or model override) is configured: then scripted session scenarios apply (§8.12).
+    let gateway = &state.config.gateway;
+    if gateway.model_base_url.is_none() && gateway.model_override.is_none() {
+        features.push("fixture_models");
+    }
     if state.config.test_controls && state.config.admin_token.is_some() {
-        features.push("test_controls");
+        features.extend(["test_controls", "expiry_hold"]);
     }
     let l = &state.config.limits;
     let r = &state.config.retention;
@@ -92,6 +98,32 @@ pub async fn create_delay(
 ) -> Result<Response, ApiError> {
     let provider = state.providers.get(&name).ok_or(ApiError::NotFound)?;
     provider.set_create_delay(Duration::from_millis(body.value.delay_ms));
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HoldExpiry {
+    hold_s: u64,
+}
+
+/// Longest hold one request may ask for (TC-9.11).
+const MAX_HOLD_S: u64 = 3600;
+
+/// TC-9.11: holds background expiry for `hold_s` seconds (0 releases it).
+pub async fn expiry_hold(
+    State(state): State<AppState>,
+    _admin: Admin,
+    body: Json<HoldExpiry>,
+) -> Result<Response, ApiError> {
+    let hold_s = body.value.hold_s;
+    if hold_s > MAX_HOLD_S {
+        return Err(ApiError::invalid(
+            "hold_s",
+            format!("hold_s must be at most {MAX_HOLD_S}"),
+        ));
+    }
+    state.expiry_hold.set(Duration::from_secs(hold_s)).await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

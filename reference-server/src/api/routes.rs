@@ -53,6 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/files/list", get(files::list))
         .route("/sandboxes/{id}/previews", post(previews::create))
         .route("/test/digest", get(meta::digest))
+        .route("/test/expiry_hold", post(meta::expiry_hold))
         .route(
             "/test/providers/{name}/create_delay",
             post(meta::create_delay),

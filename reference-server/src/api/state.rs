@@ -51,6 +51,40 @@ pub struct Inner {
     /// Per process, the last output seq handed to an event stream. Read only by the
     /// `output-lost-on-disconnect` defect.
     pub delivered: Arc<Mutex<HashMap<String, i64>>>,
+    /// Test control (TC-9.11): while held, no background expiry changes durable state, so
+    /// that a digest comparison sees only what the scenario did.
+    pub expiry_hold: ExpiryHold,
+}
+
+/// Until when background expiry is held (TC-9.11). A hold ends by itself at that instant,
+/// so a client that never releases it cannot stop expiry for good.
+#[derive(Default)]
+pub struct ExpiryHold {
+    until: Mutex<Option<std::time::Instant>>,
+    /// Read-held by every expiry pass while it works, so that setting a hold waits for the
+    /// passes already under way: once the control answers, nothing expires.
+    passes: tokio::sync::RwLock<()>,
+}
+
+impl ExpiryHold {
+    /// Holds expiry for `duration` from now (zero releases it), once running passes end.
+    pub async fn set(&self, duration: std::time::Duration) {
+        let _no_pass = self.passes.write().await;
+        let until = (!duration.is_zero()).then(|| std::time::Instant::now() + duration);
+        *self.until.lock().unwrap_or_else(|e| e.into_inner()) = until;
+    }
+
+    /// Leave to run one expiry pass: `None` while expiry is held. Keep the guard until the
+    /// pass has written what it expires, and take no other guard meanwhile.
+    pub async fn pass(&self) -> Option<tokio::sync::RwLockReadGuard<'_, ()>> {
+        let guard = self.passes.read().await;
+        let held = self
+            .until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|until| std::time::Instant::now() < until);
+        (!held).then_some(guard)
+    }
 }
 
 impl AppState {
@@ -83,6 +117,7 @@ impl AppState {
             shutdown,
             proxy,
             delivered: Arc::default(),
+            expiry_hold: ExpiryHold::default(),
         }))
     }
 

@@ -812,7 +812,10 @@ impl Gateway {
             let purge = last_purge.elapsed() >= PURGE_EVERY;
             if purge {
                 last_purge = Instant::now();
-                if let Err(e) = self.expire_results().await {
+                // Retention waits while the test control holds expiry (TC-9.11).
+                if let Some(_pass) = self.state.expiry_hold.pass().await
+                    && let Err(e) = self.expire_results().await
+                {
                     tracing::warn!(error = %e, "result retention failed");
                 }
             }
@@ -820,7 +823,10 @@ impl Gateway {
                 if let Err(e) = self.supervise(&rec.id).await {
                     tracing::warn!(session = %rec.id, error = %e, "supervisor pass failed");
                 }
-                if purge && let Err(e) = self.purge_old_events(&rec.id).await {
+                if purge
+                    && let Some(_pass) = self.state.expiry_hold.pass().await
+                    && let Err(e) = self.purge_old_events(&rec.id).await
+                {
                     tracing::warn!(session = %rec.id, error = %e, "event retention failed");
                 }
             }
@@ -965,9 +971,11 @@ impl Gateway {
         if loaded.doc.state == "deleting" {
             return self.drive_cleanup(&mut loaded, &rt).await;
         }
-        // A lease not renewed in time.
+        // A lease not renewed in time (unless the test control holds expiry, TC-9.11).
+        let pass = self.state.expiry_hold.pass().await;
         let expired = rt.live().lease_expires.is_some_and(|t| Instant::now() >= t)
-            && !self.state.config.defects.has(Defect::LeaseNeverExpires);
+            && !self.state.config.defects.has(Defect::LeaseNeverExpires)
+            && pass.is_some();
         if expired && !loaded.doc.lease_revoked {
             if self.active_submission(sid).await?.is_some() {
                 self.make_uncertain(&mut loaded, "lease_expired").await?;
@@ -978,6 +986,7 @@ impl Gateway {
                 self.kill_worker(&pid).await?;
             }
         }
+        drop(pass);
         // A cancel accepted by another server process: the grace starts when this one sees it.
         if rt.live().cancel_deadline.is_none()
             && let Some((_, sub)) = self.active_submission(sid).await?
@@ -1174,10 +1183,17 @@ impl Gateway {
         self.append(&sid, "session.deleted", json!({})).await?;
         self.state.store.delete(Kind::Session, &sid).await?;
         self.forget(&sid);
-        let store = self.state.store.clone();
+        let state = self.state.clone();
         tokio::spawn(async move {
             tokio::time::sleep(DELETED_LOG_GRACE).await;
-            if let Err(e) = store.drop_stream(&session_stream(&sid)).await {
+            // An expiry like the others: it waits while the test control holds expiry.
+            let _pass = loop {
+                match state.expiry_hold.pass().await {
+                    Some(pass) => break pass,
+                    None => tokio::time::sleep(Duration::from_millis(250)).await,
+                }
+            };
+            if let Err(e) = state.store.drop_stream(&session_stream(&sid)).await {
                 tracing::warn!(error = %e, "could not drop a deleted session's log");
             }
         });

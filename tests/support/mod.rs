@@ -1,0 +1,3 @@
+//! Helpers shared by the runner's integration tests.
+
+pub mod proxy;
