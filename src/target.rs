@@ -215,6 +215,9 @@ pub struct Target {
     /// A second endpoint of the same deployment (another server process on the same
     /// database), for scenarios that `require: [peer]`.
     pub peer: Option<Peer>,
+    /// How long a plain request may wait for its response headers, and then for each read of
+    /// its body (`--request-timeout`); streams are bounded by their steps' deadlines.
+    pub request_timeout: Duration,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
 }
@@ -227,6 +230,9 @@ pub struct Peer {
     /// The second reference server process, when the runner started it; stopped on drop.
     _server: Option<ReferenceServer>,
 }
+
+/// The default of `--request-timeout`.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a scenario that requires a peer is skipped when the target has none.
 pub const NO_PEER: &str = "the target has no peer: no second server process of the same deployment (--peer-url; the reference server has one only on PostgreSQL)";
@@ -319,6 +325,7 @@ impl Target {
             capabilities,
             ca,
             peer: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
         })
     }
@@ -363,6 +370,7 @@ impl Target {
             capabilities,
             ca: None,
             peer,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: Some(server),
         })
     }

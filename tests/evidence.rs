@@ -328,7 +328,7 @@ fn report(canary: &str) -> RunReport {
         certify: false,
         profiles: RunReport::judge(&scenarios, false),
         scenarios,
-        run_swept: Vec::new(),
+        run_sweep: Default::default(),
         not_applicable: Vec::new(),
     }
 }
@@ -1148,7 +1148,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         certify: false,
         profiles: RunReport::judge(&reports, false),
         scenarios: reports,
-        run_swept: Vec::new(),
+        run_sweep: Default::default(),
         not_applicable: Vec::new(),
     };
     let tokens = &target.tokens;

@@ -357,7 +357,7 @@ mod tests {
             certify: false,
             profiles: RunReport::judge(&scenarios, false),
             scenarios,
-            run_swept: Vec::new(),
+            run_sweep: Default::default(),
             not_applicable: Vec::new(),
         }
     }
