@@ -157,14 +157,14 @@ async fn list_all(
         let resp = req
             .send()
             .await
-            .map_err(|e| format!("GET {path}: {}", describe_reqwest(&e)))?;
+            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
         if !resp.status().is_success() {
             return Err(format!("GET {path}: status {}", resp.status()));
         }
         let page: Value = resp
             .json()
             .await
-            .map_err(|e| format!("GET {path}: {}", describe_reqwest(&e)))?;
+            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
         let items = page
             .get("data")
             .and_then(Value::as_array)
@@ -176,6 +176,18 @@ async fn list_all(
         }
     }
     Err(format!("GET {path}: more than 1000 pages"))
+}
+
+/// Why a sweep request failed, in the words the engine uses for the same failure.
+fn why(target: &Target, e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        format!(
+            "no response: not received within {}s (--request-timeout)",
+            target.request_timeout.as_secs_f64()
+        )
+    } else {
+        describe_reqwest(e)
+    }
 }
 
 /// The `sandspec_run` tag in a record's own `metadata`, if it has one.

@@ -188,11 +188,14 @@ async fn a_target_that_never_answers_ends_the_run() {
             "{s}"
         );
         let reason = s["reason"].as_str().unwrap();
-        assert!(reason.contains("no response headers within 1s"), "{reason}");
+        assert!(
+            reason.contains("headers not received within 1s"),
+            "{reason}"
+        );
     }
     let error = r["cleanup"]["run_sweep"]["error"].as_str().unwrap();
     assert!(
-        error.contains("GET /v1/sessions") && error.contains("no response headers within 1s"),
+        error.contains("GET /v1/sessions: no response: not received within 1s"),
         "{error}"
     );
     assert_eq!(
@@ -260,14 +263,14 @@ async fn a_stream_or_a_request_that_is_never_answered_fails_its_step() {
     );
     let reason = stream["reason"].as_str().unwrap();
     assert!(
-        reason.contains("no response headers within 15s (the step's deadline)"),
+        reason.contains("headers not received within 15s (the step's deadline)"),
         "{reason}"
     );
     let files = scenario(&r, "FILE-RW-001");
     assert_eq!(files["outcome"], "fail");
     let reason = files["reason"].as_str().unwrap();
     assert!(
-        reason.contains("no response headers within 2s (--request-timeout)"),
+        reason.contains("headers not received within 2s (--request-timeout)"),
         "{reason}"
     );
     // Cleanup went through: nothing was left, and the sweep finished.

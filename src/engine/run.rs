@@ -745,8 +745,9 @@ impl<'a> Ctx<'a> {
         let response = match result {
             Ok(Ok(r)) => r,
             Err(_) => {
-                let reason =
-                    format!("no response headers within {deadline_s}s (the step's deadline)");
+                let reason = format!(
+                    "no response: headers not received within {deadline_s}s (the step's deadline)"
+                );
                 exchange.end = format!("error: {reason}");
                 self.transcript.push(Entry::Sse(exchange));
                 return Err(StepError::Fail(reason));
@@ -1338,7 +1339,7 @@ async fn exchange(
     let mut response = match tokio::time::timeout(limit, builder.send()).await {
         Err(_) => {
             return Err((
-                format!("no response headers within {secs}s (--request-timeout)"),
+                format!("headers not received within {secs}s (--request-timeout)"),
                 false,
             ));
         }
