@@ -298,6 +298,13 @@ impl From<VarError> for StepError {
     }
 }
 
+/// Whether a request asks for an event stream.
+fn is_stream(r: &Request) -> bool {
+    r.headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("accept") && v.raw.contains("text/event-stream"))
+}
+
 /// The outcome when a deadline passed during `step` (of the `part`, `scenario` or
 /// `cleanup`).
 fn deadline_passed(ctx: &mut Ctx<'_>, step: String, part: &str, deadline: Duration) -> Outcome {
@@ -352,8 +359,8 @@ impl<'a> Ctx<'a> {
     }
 
     /// The deadline of a part (the steps or the cleanup): the waits its steps declare (a
-    /// poll's `within_s` plus one request, a stream's deadline, a sleep), a margin, and a
-    /// little for every step. A wait that cannot be worked out yet counts as nothing (its
+    /// poll's `within_s` plus one request, a stream's deadline, a sleep, the advertised
+    /// stream duration for streams sent in parallel), a margin, and a little for every step. A wait that cannot be worked out yet counts as nothing (its
     /// step fails on its own then).
     fn deadline(&self, steps: &[Step], margin: Duration) -> Duration {
         let secs = |n: Result<i64, VarError>| {
@@ -369,6 +376,12 @@ impl<'a> Ctx<'a> {
                     None => secs(Ok(DEFAULT_SSE_DEADLINE_S)),
                 },
                 Step::Sleep(s) => Duration::from_millis(s.ms.value),
+                // Event streams sent in parallel are read to their end: at most the
+                // advertised stream duration.
+                Step::Parallel(p) if p.request.iter().chain(&p.requests).any(is_stream) => {
+                    let limit = self.target.capabilities.limits.get("max_stream_duration_s");
+                    secs(Ok(limit.copied().unwrap_or(0))) + self.target.request_timeout
+                }
                 _ => Duration::ZERO,
             };
         }
@@ -1233,6 +1246,7 @@ impl<'a> Ctx<'a> {
         });
         let at_ms = self.at();
         let results = futures_util::future::join_all(futures).await;
+        let before = self.ledger.len();
         let mut observed = Vec::new();
         for (pr, (result, took)) in prepared.iter().zip(results) {
             let mut exchange = HttpExchange {
@@ -1276,6 +1290,11 @@ impl<'a> Ctx<'a> {
                 }
             }
             self.transcript.push(Entry::Http(exchange));
+        }
+        if p.removed_by_sweep {
+            for created in &mut self.ledger[before..] {
+                created.by_sweep = true;
+            }
         }
         let failures = judge_tallies(&p.expect, &observed, &self.vars)?;
         if failures.is_empty() {

@@ -496,6 +496,11 @@ pub struct Parallel {
     pub repeat: Option<NumExpr>,
     /// How the responses must be distributed.
     pub expect: Vec<Tally>,
+    /// What these requests create cannot be captured, so no cleanup step can name it: with
+    /// `true`, the engine removes it after cleanup (each delete confirmed by a 404) instead
+    /// of the leak check failing on it.
+    #[serde(default)]
+    pub removed_by_sweep: bool,
 }
 
 /// "exactly N responses with this status (and code)", or "all the rest".

@@ -58,6 +58,9 @@ pub(super) struct Created {
     pub sandbox: Option<String>,
     /// For a preview: its token (registered with the sanitizer).
     pub token: Option<String>,
+    /// Created by a `parallel` step marked `removed_by_sweep`: removing it after cleanup is
+    /// the scenario's declared plan, not a leak.
+    pub by_sweep: bool,
 }
 
 /// The ledger entries a successful create adds: `method target` answered `obs`.
@@ -83,6 +86,7 @@ pub(super) fn created_by(
         principal,
         sandbox,
         token: None,
+        by_sweep: false,
     };
     if path == "/v1/sandboxes" {
         return vec![entry(Kind::Sandbox, format!("/v1/sandboxes/{id}"), None)];
@@ -217,7 +221,11 @@ impl<'a> Ctx<'a> {
         if left.is_empty() && unknown.is_empty() {
             return Outcome::Pass;
         }
-        let named: Vec<String> = left.iter().map(|&i| self.ledger[i].path.clone()).collect();
+        let named: Vec<String> = left
+            .iter()
+            .filter(|&&i| !self.ledger[i].by_sweep)
+            .map(|&i| self.ledger[i].path.clone())
+            .collect();
         // Newest first, so that a sandbox cloned from a snapshot goes before the snapshot.
         for &i in left.iter().rev() {
             self.remove(i).await;
@@ -238,7 +246,12 @@ impl<'a> Ctx<'a> {
             if !removed {
                 not_removed.push(path.clone());
             }
-            self.leftovers.push(Leftover { path, removed });
+            if !self.ledger[i].by_sweep {
+                self.leftovers.push(Leftover { path, removed });
+            }
+        }
+        if named.is_empty() && unknown.is_empty() && not_removed.is_empty() {
+            return Outcome::Pass;
         }
         let mut reason = Vec::new();
         if !named.is_empty() {
@@ -271,6 +284,11 @@ impl<'a> Ctx<'a> {
                 None => return,
             },
         };
+        let label = if c.by_sweep {
+            "removed_by_sweep"
+        } else {
+            "sweep"
+        };
         let delete = Prepared {
             via: Via::Primary,
             method: Method::Delete,
@@ -280,7 +298,7 @@ impl<'a> Ctx<'a> {
             literal_auth: false,
             body: None,
         };
-        let _ = self.send(&client, &delete, "sweep").await;
+        let _ = self.send(&client, &delete, label).await;
     }
 }
 
