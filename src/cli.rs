@@ -108,6 +108,10 @@ pub struct RunArgs {
     /// capabilities, and its own sleeps) exceed it is skipped, with the numbers.
     #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = parse_max_wait)]
     pub max_wait: MaxWait,
+    /// How long a request may wait for its response headers, and then for each read of its
+    /// body (`30s`, `2m`); a stream waits as long as its step declares.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_timeout)]
+    pub request_timeout: std::time::Duration,
     /// Allow a target that is not on loopback without asking: a live run against a real
     /// deployment, whose resources are tagged with the run ID and swept at the end.
     #[arg(long, requires = "target")]
@@ -206,7 +210,8 @@ async fn sweep(args: SweepArgs) -> u8 {
                 };
             }
         };
-        match crate::live::sweep_older_than(&target, args.older_than, args.dry_run).await {
+        let token = target.tokens.owner.clone();
+        match crate::live::sweep_older_than(&target, &token, args.older_than, args.dry_run).await {
             Ok(found) => {
                 for s in &found {
                     let what = match (args.dry_run, s.removed) {
@@ -214,7 +219,7 @@ async fn sweep(args: SweepArgs) -> u8 {
                         (false, true) => "removed",
                         (false, false) => "could NOT remove",
                     };
-                    println!("{what} {} (run {}, principal from ${env})", s.id, s.run);
+                    println!("{what} {} (run {}, principal from ${env})", s.path, s.run);
                     failed |= !args.dry_run && !s.removed;
                 }
                 if found.is_empty() {
@@ -240,6 +245,15 @@ pub struct MaxWait(pub Option<std::time::Duration>);
 
 fn parse_max_wait(s: &str) -> Result<MaxWait, String> {
     crate::engine::waits::parse_max_wait(s).map(MaxWait)
+}
+
+/// `--request-timeout`: an age such as `30s` or `2m`, more than zero.
+fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
+    let d = crate::live::parse_age(s)?;
+    if d.is_zero() {
+        return Err("the request timeout must be more than 0s".into());
+    }
+    Ok(d)
 }
 
 /// `--shard i/n`.
@@ -497,6 +511,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         }
     };
     let mut target = target;
+    target.request_timeout = args.request_timeout;
     target
         .capabilities
         .override_features(&args.assume_capability, &args.drop_capability)
@@ -581,22 +596,25 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .zip(results)
         .map(|(s, r)| ScenarioReport::new(s, r))
         .collect();
-    // Anything still tagged with this run's ID is a cleanup failure of the run.
-    // A sweep that cannot run is a harness error, reported after the evidence is written.
-    let (run_swept, sweep_error) = match crate::live::sweep_run(&target, &run_id).await {
-        Ok(found) => (found, None),
-        Err(e) => (Vec::new(), Some(format!("end-of-run sweep failed: {e}"))),
-    };
-    for s in &run_swept {
+    // Anything still tagged with this run's ID is a cleanup failure of the run. A sweep that
+    // cannot finish is a harness error, reported after the evidence is written.
+    let run_sweep = crate::live::sweep_run(&target, &run_id).await;
+    for s in &run_sweep.found {
         eprintln!(
-            "cleanup failure: {} (run {}) was still there after every scenario; {}",
-            s.id,
-            s.run,
+            "cleanup failure: {} (run {run_id}) was still there after every scenario; {}",
+            s.path,
             if s.removed {
                 "the sweep removed it"
             } else {
                 "the sweep could NOT remove it"
             }
+        );
+    }
+    for i in run_sweep.ignored.iter().filter(|i| i.filtered) {
+        eprintln!(
+            "warning: GET {} (as {}) returned {} record(s) without this run's tag although \
+             it was asked to filter by it; they were left alone",
+            i.list, i.principal, i.count
         );
     }
     facts.never_ran = not_run.len();
@@ -622,10 +640,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         certify: args.certify,
         scenarios,
         profiles,
-        run_swept: run_swept
-            .iter()
-            .map(|s| format!("/v1/sandboxes/{}", s.id))
-            .collect(),
+        run_sweep,
         not_applicable,
     };
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
@@ -641,8 +656,8 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     );
     watcher.abort();
     written.map_err(RunError::Harness)?;
-    if let Some(e) = sweep_error {
-        eprintln!("error: {e}");
+    if let Some(e) = &report.run_sweep.error {
+        eprintln!("error: the end-of-run sweep could not finish: {e}");
         return Ok(EXIT_HARNESS);
     }
     if interrupted {
@@ -665,10 +680,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     {
         return Ok(EXIT_HARNESS);
     }
-    if !report.run_swept.is_empty() {
+    if !report.run_sweep.found.is_empty() {
         eprintln!(
             "not conformant: the run left {} resource(s) behind",
-            report.run_swept.len()
+            report.run_sweep.found.len()
         );
         return Ok(EXIT_NOT_CONFORMANT);
     }

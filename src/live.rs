@@ -2,16 +2,20 @@
 //! everything tagged with the run's ID, and `sandspec sweep` for leftovers of earlier,
 //! interrupted runs.
 //!
-//! Every resource a scenario creates carries `metadata.sandspec_run = <run id>`; that tag is
-//! the only thing the sweeps trust, so they never touch what a run did not create.
+//! Every sandbox and session a scenario creates carries `metadata.sandspec_run = <run id>`.
+//! The sweeps remove only objects whose own record, as the target returned it, carries the
+//! tag: a list's filter only narrows what is read, so a target that ignores the filter
+//! still loses nothing a run did not create.
 
 use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use time::OffsetDateTime;
 
-use crate::target::Target;
+use crate::engine::Leftover;
+use crate::target::{Target, describe_reqwest};
 
 /// The metadata key that tags every resource with the run that created it.
 pub const RUN_TAG: &str = "sandspec_run";
@@ -76,17 +80,57 @@ fn ask_on_terminal(url: &str) -> bool {
     matches!(answer.trim(), "y" | "Y" | "yes")
 }
 
-/// A resource found by a sweep, and whether removing it worked.
+/// A resource found by `sandspec sweep`, and whether removing it worked.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Swept {
-    pub id: String,
+    /// Its path, e.g. `/v1/sandboxes/local:sbx_...` or `/v1/sessions/ses_...`.
+    pub path: String,
+    /// The run that tagged it.
     pub run: String,
+    /// Removed, and a GET afterwards answered 404.
     pub removed: bool,
 }
 
-/// Every sandbox the owner can list, following pages to the end.
+/// What the end-of-run sweep did, for the report and the receipt.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSweep {
+    /// Objects whose own record carried this run's tag after every scenario had finished
+    /// (each a cleanup failure of the run), and whether each was then removed.
+    pub found: Vec<Leftover>,
+    /// Records a list returned without this run's tag: never touched, only counted.
+    pub ignored: Vec<Ignored>,
+    /// Why the sweep could not finish, when it could not.
+    pub error: Option<String>,
+}
+
+/// Records of one list, as one principal, that did not carry the run's tag.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ignored {
+    /// `owner` or `other`.
+    pub principal: String,
+    /// The list, e.g. `/v1/sandboxes`.
+    pub list: String,
+    /// Whether the list was asked to filter by the tag: then every such record is one the
+    /// target should not have returned (it does not apply the `metadata` filter).
+    pub filtered: bool,
+    pub count: usize,
+}
+
+/// The lists a sweep walks, sessions first (deleting a session removes the sandbox it
+/// owns), and whether the protocol lets them filter by metadata (§3.2 for sandboxes;
+/// sessions have no such filter).
+const LISTS: &[(&str, bool)] = &[("/v1/sessions", false), ("/v1/sandboxes", true)];
+
+/// How long a removal may take to show: a sandbox's kill is synchronous, a session's
+/// delete completes in the background (SES-8.13: 10 s plus a provider's delay).
+const GONE_WITHIN: Duration = Duration::from_secs(30);
+
+/// Every record of a list as `token`, following pages to the end.
 async fn list_all(
     target: &Target,
+    token: &str,
     path: &str,
     filter: Option<(&str, &str)>,
 ) -> Result<Vec<Value>, String> {
@@ -108,16 +152,24 @@ async fn list_all(
         let req = target
             .client
             .get(url)
-            .bearer_auth(&target.tokens.owner)
-            .timeout(Duration::from_secs(30));
-        let resp = req.send().await.map_err(|e| format!("GET {path}: {e}"))?;
+            .bearer_auth(token)
+            .timeout(target.request_timeout);
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
         if !resp.status().is_success() {
             return Err(format!("GET {path}: status {}", resp.status()));
         }
-        let page: Value = resp.json().await.map_err(|e| format!("GET {path}: {e}"))?;
-        if let Some(items) = page.get("data").and_then(Value::as_array) {
-            out.extend(items.iter().cloned());
-        }
+        let page: Value = resp
+            .json()
+            .await
+            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
+        let items = page
+            .get("data")
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("GET {path}: no `data` array"))?;
+        out.extend(items.iter().cloned());
         match page.get("next_page_token").and_then(Value::as_str) {
             Some(t) => page_token = Some(t.to_owned()),
             None => return Ok(out),
@@ -126,21 +178,58 @@ async fn list_all(
     Err(format!("GET {path}: more than 1000 pages"))
 }
 
-async fn kill(target: &Target, id: &str) -> bool {
-    let url = format!("{}/v1/sandboxes/{}", target.base_url, urlencode(id));
-    match target
-        .client
-        .delete(url)
-        .bearer_auth(&target.tokens.owner)
-        .timeout(Duration::from_secs(60))
-        .send()
-        .await
-    {
-        Ok(r) => r.status().as_u16() == 204 || r.status().as_u16() == 404,
-        Err(_) => false,
+/// Why a sweep request failed, in the words the engine uses for the same failure.
+fn why(target: &Target, e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        format!(
+            "no response: not received within {}s (--request-timeout)",
+            target.request_timeout.as_secs_f64()
+        )
+    } else {
+        describe_reqwest(e)
     }
 }
 
+/// The `sandspec_run` tag in a record's own `metadata`, if it has one.
+fn tag_of(record: &Value) -> Option<&str> {
+    record.get("metadata")?.get(RUN_TAG)?.as_str()
+}
+
+/// Deletes `path` as `token`, then confirms that a GET answers 404 (waiting a bounded time
+/// for a delete that completes in the background).
+async fn remove(target: &Target, token: &str, path: &str) -> bool {
+    let url = format!("{}{path}", target.base_url);
+    let deleted = target
+        .client
+        .delete(&url)
+        .bearer_auth(token)
+        .timeout(target.request_timeout)
+        .send()
+        .await;
+    if !matches!(deleted, Ok(r) if r.status().is_success() || r.status().as_u16() == 404) {
+        return false;
+    }
+    let since = std::time::Instant::now();
+    loop {
+        let status = target
+            .client
+            .get(&url)
+            .bearer_auth(token)
+            .timeout(target.request_timeout)
+            .send()
+            .await
+            .map(|r| r.status().as_u16());
+        match status {
+            Ok(404) => return true,
+            Ok(_) if since.elapsed() < GONE_WITHIN => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// A path segment, percent-encoded.
 fn urlencode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
@@ -152,56 +241,94 @@ fn urlencode(s: &str) -> String {
         .collect()
 }
 
-/// The end-of-run sweep: removes every sandbox of the owner still tagged with `run_id`.
-/// Anything it finds is a cleanup failure of the run, reported as such.
-pub async fn sweep_run(target: &Target, run_id: &str) -> Result<Vec<Swept>, String> {
-    let left = list_all(target, "/v1/sandboxes", Some((RUN_TAG, run_id))).await?;
-    let mut swept = Vec::new();
-    for sbx in left {
-        let Some(id) = sbx.get("id").and_then(Value::as_str) else {
-            continue;
-        };
-        swept.push(Swept {
-            id: id.to_owned(),
-            run: run_id.to_owned(),
-            removed: kill(target, id).await,
-        });
+/// The end-of-run sweep: for every principal the run used, lists sessions and sandboxes and
+/// removes each whose own record carries `metadata.sandspec_run = run_id`, confirming it is
+/// gone. The sandbox list is asked to filter by the tag, but only the record decides:
+/// records without the tag are counted as ignored and never touched. Anything found is a
+/// cleanup failure of the run.
+pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
+    let mut sweep = RunSweep::default();
+    let mut errors = Vec::new();
+    let principals = [
+        ("owner", target.tokens.owner.as_str()),
+        ("other", target.tokens.other.as_str()),
+    ];
+    for (principal, token) in principals {
+        for &(list, filtered) in LISTS {
+            let filter = filtered.then_some((RUN_TAG, run_id));
+            let records = match list_all(target, token, list, filter).await {
+                Ok(r) => r,
+                Err(e) => {
+                    errors.push(format!("{e} (as {principal})"));
+                    continue;
+                }
+            };
+            let mut ignored = 0;
+            for record in &records {
+                let Some(id) = record.get("id").and_then(Value::as_str) else {
+                    ignored += 1;
+                    continue;
+                };
+                if tag_of(record) != Some(run_id) {
+                    ignored += 1;
+                    continue;
+                }
+                let path = format!("{list}/{}", urlencode(id));
+                let removed = remove(target, token, &path).await;
+                sweep.found.push(Leftover { path, removed });
+            }
+            if ignored > 0 {
+                sweep.ignored.push(Ignored {
+                    principal: principal.to_owned(),
+                    list: list.to_owned(),
+                    filtered,
+                    count: ignored,
+                });
+            }
+        }
     }
-    Ok(swept)
+    if !errors.is_empty() {
+        sweep.error = Some(errors.join("; "));
+    }
+    sweep
 }
 
-/// `sandspec sweep`: removes sandboxes tagged by any sandspec run and created before
+/// `sandspec sweep`: removes the sessions and sandboxes visible to `token` whose own record
+/// carries a `sandspec_run` tag (of any run) and that were created before
 /// `now - older_than` (leftovers of interrupted runs). With `dry_run`, only lists them.
 pub async fn sweep_older_than(
     target: &Target,
+    token: &str,
     older_than: Duration,
     dry_run: bool,
 ) -> Result<Vec<Swept>, String> {
     let cutoff = OffsetDateTime::now_utc() - older_than;
-    let all = list_all(target, "/v1/sandboxes", None).await?;
     let mut swept = Vec::new();
-    for sbx in all {
-        let Some(run) = sbx
-            .pointer(&format!("/metadata/{RUN_TAG}"))
-            .and_then(Value::as_str)
-        else {
-            continue;
-        };
-        let created = sbx.get("created_at").and_then(Value::as_str).and_then(|t| {
-            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
-        });
-        if created.is_none_or(|c| c >= cutoff) {
-            continue;
+    for &(list, _) in LISTS {
+        for record in list_all(target, token, list, None).await? {
+            let Some(run) = tag_of(&record) else {
+                continue;
+            };
+            let created = record
+                .get("created_at")
+                .and_then(Value::as_str)
+                .and_then(|t| {
+                    OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+                });
+            if created.is_none_or(|c| c >= cutoff) {
+                continue;
+            }
+            let Some(id) = record.get("id").and_then(Value::as_str) else {
+                continue;
+            };
+            let path = format!("{list}/{}", urlencode(id));
+            let removed = !dry_run && remove(target, token, &path).await;
+            swept.push(Swept {
+                path,
+                run: run.to_owned(),
+                removed,
+            });
         }
-        let Some(id) = sbx.get("id").and_then(Value::as_str) else {
-            continue;
-        };
-        let removed = !dry_run && kill(target, id).await;
-        swept.push(Swept {
-            id: id.to_owned(),
-            run: run.to_owned(),
-            removed,
-        });
     }
     Ok(swept)
 }
@@ -258,6 +385,61 @@ mod tests {
         assert_eq!(
             decide(remote, false, true, |_| false),
             Err(GuardError::Declined(remote.into()))
+        );
+    }
+
+    /// Every sandbox and session the catalog creates with a body carries the run's tag (a
+    /// session's own sandbox too), so that the sweeps, which trust only the tag, can find it.
+    #[test]
+    fn every_create_in_the_catalog_is_tagged() {
+        use crate::scenario::{Method, Request, Step};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let catalog = crate::scenario::load_dir(&dir).expect("the catalog parses");
+        let tagged = |v: Option<&Value>| {
+            v.and_then(|m| m.get(RUN_TAG)).and_then(Value::as_str) == Some("{{run_id}}")
+        };
+        let mut creates = 0;
+        let mut untagged = Vec::new();
+        for s in &catalog {
+            let requests = s.scenario.steps.iter().flat_map(|step| match step {
+                Step::Request(r) => vec![r],
+                Step::Parallel(p) => p.request.iter().chain(&p.requests).collect(),
+                _ => Vec::<&Request>::new(),
+            });
+            for r in requests {
+                let wants_success = match (r.expect.status, r.expect.status_in.as_slice()) {
+                    (Some(st), _) => (200..300).contains(&st),
+                    (None, list) => {
+                        list.is_empty() || list.iter().any(|st| (200..300).contains(st))
+                    }
+                };
+                // A create with no body at all checks the defaults and cannot carry the tag;
+                // its scenario's leak check still covers it.
+                let bodiless = r.json.is_none() && r.body_text.is_none() && r.body_base64.is_none();
+                if r.method != Method::Post || !wants_success || bodiless {
+                    continue;
+                }
+                let body = r.json.as_ref().map(|j| &j.value);
+                let ok = match r.path.raw.as_str() {
+                    "/v1/sandboxes" => tagged(body.and_then(|b| b.get("metadata"))),
+                    "/v1/sessions" => {
+                        tagged(body.and_then(|b| b.get("metadata")))
+                            && body
+                                .and_then(|b| b.pointer("/sandbox/create"))
+                                .is_none_or(|c| tagged(c.get("metadata")))
+                    }
+                    _ => continue,
+                };
+                creates += 1;
+                if !ok {
+                    untagged.push(format!("{} {}", s.id(), r.path.raw));
+                }
+            }
+        }
+        assert!(creates > 50, "only {creates} creates found");
+        assert!(
+            untagged.is_empty(),
+            "creates without the run's tag: {untagged:#?}"
         );
     }
 

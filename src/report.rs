@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::engine::{Entry, Outcome, ScenarioRun};
+use crate::engine::{Entry, Leftover, Outcome, ScenarioRun};
 use crate::scenario::{Level, LoadedScenario};
 
 /// One scenario's result with its catalog metadata.
@@ -23,7 +23,8 @@ pub struct ScenarioReport {
     pub duration_ms: u64,
     pub attempts: u32,
     pub measurements: BTreeMap<String, f64>,
-    pub swept: Vec<String>,
+    /// What the scenario's leak check found, and whether the sweep then removed it.
+    pub swept: Vec<Leftover>,
     pub transcript: Vec<Entry>,
 }
 
@@ -326,10 +327,11 @@ pub struct RunReport {
     pub scenarios: Vec<ScenarioReport>,
     /// One per family present in the run, plus `all`.
     pub profiles: Vec<ProfileVerdict>,
-    /// Paths of resources still tagged with this run's ID after every scenario finished,
-    /// removed by the end-of-run sweep. Anything here is a cleanup failure of the run.
+    /// The end-of-run sweep: objects still tagged with this run's ID after every scenario
+    /// finished (each a cleanup failure of the run), records it left alone, and whether it
+    /// could finish.
     #[serde(default)]
-    pub run_swept: Vec<String>,
+    pub run_sweep: crate::live::RunSweep,
     /// Selected scenarios left out because they cannot apply to this target (with why), so
     /// that the evidence says they did not run. Never counted as passed or skipped.
     #[serde(default)]
@@ -721,7 +723,7 @@ mod tests {
                 &RunFacts::whole_catalog(scenarios.iter().map(|s| s.family.as_str())),
             ),
             scenarios,
-            run_swept: Vec::new(),
+            run_sweep: Default::default(),
             not_applicable: Vec::new(),
         };
         let xml = junit_xml(&rep);

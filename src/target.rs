@@ -212,6 +212,9 @@ pub struct Target {
     /// The run's wait budget (`--max-wait`): a scenario whose advertised waits exceed it is
     /// skipped. `None` waits everything out.
     pub wait_budget: Option<Duration>,
+    /// How long a plain request may wait for its response headers, and then for each read of
+    /// its body (`--request-timeout`); streams are bounded by their steps' deadlines.
+    pub request_timeout: Duration,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
 }
@@ -224,6 +227,9 @@ pub struct Peer {
     /// The second reference server process, when the runner started it; stopped on drop.
     _server: Option<ReferenceServer>,
 }
+
+/// The default of `--request-timeout`.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a scenario that requires a peer is skipped when the target has none.
 pub const NO_PEER: &str = "the target has no peer: no second server process of the same deployment (--peer-url; the reference server has one only on PostgreSQL)";
@@ -317,6 +323,7 @@ impl Target {
             ca,
             peer: None,
             wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
         })
     }
@@ -362,6 +369,7 @@ impl Target {
             ca: None,
             peer,
             wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: Some(server),
         })
     }

@@ -328,7 +328,7 @@ fn report(canary: &str) -> RunReport {
         certify: false,
         profiles: RunReport::judge(&scenarios, &whole_catalog(&scenarios)),
         scenarios,
-        run_swept: Vec::new(),
+        run_sweep: Default::default(),
         not_applicable: Vec::new(),
     }
 }
@@ -1412,7 +1412,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         certify: false,
         profiles: RunReport::judge(&reports, &whole_catalog(&reports)),
         scenarios: reports,
-        run_swept: Vec::new(),
+        run_sweep: Default::default(),
         not_applicable: Vec::new(),
     };
     let tokens = &target.tokens;

@@ -9,6 +9,6 @@ mod vars;
 pub mod waits;
 
 pub use outcome::Outcome;
-pub use run::{ScenarioRun, run_scenario, run_with_retries, skip_reason};
+pub use run::{LEAK_CHECK, Leftover, ScenarioRun, run_scenario, run_with_retries, skip_reason};
 pub use transcript::{Body, Credential, Entry, Frame, HttpExchange, Note, SseExchange};
 pub use vars::{VarError, Vars};

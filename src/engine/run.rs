@@ -27,19 +27,27 @@ use crate::scenario::{
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
 use crate::target::{Target, describe_reqwest};
 
+mod ledger;
+
+use ledger::Created;
+pub use ledger::{LEAK_CHECK, Leftover};
+
 /// `(event type, id)` per event, as an interop probe saw them.
 type Seen = Vec<(String, Option<String>)>;
 
 /// What an interop probe returned: `None` when it did not run.
 type Probed = Option<Result<Seen, String>>;
 
-/// How long one plain request may take.
 /// The header that carries the run's canary secret on every request.
 pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
 
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default deadline of an `sse` step.
 const DEFAULT_SSE_DEADLINE_S: i64 = 30;
+/// What a scenario's steps may take beyond their declared waits: a fixed part, and a part
+/// per step (each request takes a moment even when the target is fast).
+const STEPS_MARGIN: Duration = Duration::from_secs(60);
+const CLEANUP_MARGIN: Duration = Duration::from_secs(30);
+const MARGIN_PER_STEP: Duration = Duration::from_secs(2);
 /// Pages an absence check or snapshot reads at most.
 const MAX_PAGES: usize = 50;
 
@@ -50,8 +58,8 @@ pub struct ScenarioRun {
     pub duration_ms: u64,
     /// Named measurements in seconds (time to first SSE frame, time to EOF, ...).
     pub measurements: BTreeMap<String, f64>,
-    /// Resources the sweep had to remove after cleanup.
-    pub swept: Vec<String>,
+    /// What the leak check found after cleanup, and whether the sweep then removed it.
+    pub swept: Vec<Leftover>,
     pub transcript: Vec<Entry>,
     pub attempts: u32,
     /// Values of captures marked `secret: true`, for the sanitizer. Never serialized.
@@ -110,30 +118,55 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         digests: BTreeMap::new(),
         snapshots: BTreeMap::new(),
         ledger: Vec::new(),
+        leftovers: Vec::new(),
         saw_success: false,
         secrets: Vec::new(),
         expiry_held: false,
     };
-    let mut outcome = Outcome::Pass;
-    for (i, step) in scenario.steps.iter().enumerate() {
-        let label = step_label("steps", i, step);
-        if let Err(e) = ctx.step(step, &label).await {
-            outcome = e.into_outcome(label);
-            break;
-        }
-    }
-    for (i, step) in scenario.cleanup.iter().enumerate() {
-        let label = step_label("cleanup", i, step);
-        match ctx.step(step, &label).await {
-            Ok(()) => {}
-            // A cleanup step for something that was never created has nothing to do.
-            Err(StepError::Var(VarError::Missing(name))) => {
-                ctx.note(format!("{label}: skipped, `{name}` was never captured"))
+    // The steps, then the cleanup, each within a deadline derived from what they declare
+    // they wait for: a target that stops answering cannot hold a scenario for longer.
+    let steps_deadline = ctx.deadline(&scenario.steps, STEPS_MARGIN);
+    let mut current = String::new();
+    let steps = async {
+        for (i, step) in scenario.steps.iter().enumerate() {
+            let label = step_label("steps", i, step);
+            current.clone_from(&label);
+            if let Err(e) = ctx.step(step, &label).await {
+                return e.into_outcome(label);
             }
-            Err(e) => outcome = outcome.combine(e.into_outcome(label)),
         }
-    }
-    outcome = outcome.combine(ctx.sweep().await);
+        Outcome::Pass
+    };
+    let mut outcome = match tokio::time::timeout(steps_deadline, steps).await {
+        Ok(outcome) => outcome,
+        Err(_) => deadline_passed(&mut ctx, current, "scenario", steps_deadline),
+    };
+    let cleanup_deadline = ctx.deadline(&scenario.cleanup, CLEANUP_MARGIN);
+    let mut current = String::new();
+    let cleanup = async {
+        let mut outcome = Outcome::Pass;
+        for (i, step) in scenario.cleanup.iter().enumerate() {
+            let label = step_label("cleanup", i, step);
+            current.clone_from(&label);
+            match ctx.step(step, &label).await {
+                Ok(()) => {}
+                // A cleanup step for something that was never created has nothing to do.
+                Err(StepError::Var(VarError::Missing(name))) => {
+                    ctx.note(format!("{label}: skipped, `{name}` was never captured"))
+                }
+                Err(e) => outcome = outcome.combine(e.into_outcome(label)),
+            }
+        }
+        outcome
+    };
+    outcome = outcome.combine(
+        match tokio::time::timeout(cleanup_deadline, cleanup).await {
+            Ok(outcome) => outcome,
+            Err(_) => deadline_passed(&mut ctx, current, "cleanup", cleanup_deadline),
+        },
+    );
+    // Each request of the leak check and the sweep is bounded by the request timeout.
+    outcome = outcome.combine(ctx.leak_check().await);
     if ctx.expiry_held {
         let label = "release the expiry hold";
         if let Err(e) = ctx.hold_expiry(0, label).await {
@@ -151,12 +184,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     run.outcome = outcome;
     run.duration_ms = ms(started.elapsed());
     run.measurements = ctx.measurements;
-    run.swept = ctx
-        .ledger
-        .iter()
-        .filter(|l| l.swept)
-        .map(|l| l.path.clone())
-        .collect();
+    run.swept = ctx.leftovers;
     run.transcript = ctx.transcript;
     run.secrets = ctx.secrets;
     run
@@ -245,12 +273,22 @@ impl From<VarError> for StepError {
     }
 }
 
-/// Something the run created, to be swept if cleanup left it.
-struct Created {
-    /// Path of the object, e.g. `/v1/sandboxes/local:sbx_...`.
-    path: String,
-    principal: Principal,
-    swept: bool,
+/// Whether a request asks for an event stream.
+fn is_stream(r: &Request) -> bool {
+    r.headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("accept") && v.raw.contains("text/event-stream"))
+}
+
+/// The outcome when a deadline passed during `step` (of the `part`, `scenario` or
+/// `cleanup`).
+fn deadline_passed(ctx: &mut Ctx<'_>, step: String, part: &str, deadline: Duration) -> Outcome {
+    let reason = format!(
+        "the {part}'s deadline of {}s (its declared waits plus a margin) passed during this step",
+        deadline.as_secs()
+    );
+    ctx.note(format!("{step}: {reason}"));
+    Outcome::Fail { step, reason }
 }
 
 /// State of one scenario run.
@@ -263,8 +301,10 @@ struct Ctx<'a> {
     digests: BTreeMap<String, String>,
     /// Named API-level snapshots: principal and the set of object IDs it owned.
     snapshots: BTreeMap<String, (Principal, BTreeSet<String>)>,
-    /// Sandboxes and snapshots this run created (from 201 responses).
+    /// Everything this scenario created (from the target's 201 responses).
     ledger: Vec<Created>,
+    /// What the leak check found, and whether the sweep removed it.
+    leftovers: Vec<Leftover>,
     /// Whether any request was answered 2xx (for the vacuity rule).
     saw_success: bool,
     /// Values of captures marked secret.
@@ -298,6 +338,36 @@ impl<'a> Ctx<'a> {
     fn note(&mut self, text: String) {
         let at_ms = self.at();
         self.transcript.push(Entry::Note(Note { at_ms, text }));
+    }
+
+    /// The deadline of a part (the steps or the cleanup): the waits its steps declare (a
+    /// poll's `within_s` plus one request, a stream's deadline, a sleep, the advertised
+    /// stream duration for streams sent in parallel), a margin, and a little for every step. A wait that cannot be worked out yet counts as nothing (its
+    /// step fails on its own then).
+    fn deadline(&self, steps: &[Step], margin: Duration) -> Duration {
+        let secs = |n: Result<i64, VarError>| {
+            Duration::from_secs(n.ok().and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
+        };
+        let mut total = margin;
+        for step in steps {
+            total += MARGIN_PER_STEP;
+            total += match step {
+                Step::Poll(p) => secs(self.vars.num(&p.within_s)) + self.target.request_timeout,
+                Step::Sse(s) => match &s.within_s {
+                    Some(n) => secs(self.vars.num(n)),
+                    None => secs(Ok(DEFAULT_SSE_DEADLINE_S)),
+                },
+                Step::Sleep(s) => Duration::from_millis(s.ms.value),
+                // Event streams sent in parallel are read to their end: at most the
+                // advertised stream duration.
+                Step::Parallel(p) if p.request.iter().chain(&p.requests).any(is_stream) => {
+                    let limit = self.target.capabilities.limits.get("max_stream_duration_s");
+                    secs(Ok(limit.copied().unwrap_or(0))) + self.target.request_timeout
+                }
+                _ => Duration::ZERO,
+            };
+        }
+        total
     }
 
     async fn step(&mut self, step: &Step, label: &str) -> Result<(), StepError> {
@@ -486,11 +556,7 @@ impl<'a> Ctx<'a> {
     ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
-        let result = self
-            .builder(client, p)
-            .timeout(REQUEST_TIMEOUT)
-            .send()
-            .await;
+        let outcome = exchange(self.builder(client, p), self.target.request_timeout, false).await;
         let mut exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
@@ -509,21 +575,6 @@ impl<'a> Ctx<'a> {
             response_body: None,
             duration_ms: 0,
             error: None,
-        };
-        let outcome = match result {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                let headers = response.headers().clone();
-                match response.bytes().await {
-                    Ok(body) => Ok(Observed {
-                        status,
-                        headers,
-                        body,
-                    }),
-                    Err(e) => Err((describe_reqwest(&e), false)),
-                }
-            }
-            Err(e) => Err((describe_reqwest(&e), e.is_connect())),
         };
         exchange.duration_ms = ms(sent.elapsed());
         let result = match outcome {
@@ -548,35 +599,6 @@ impl<'a> Ctx<'a> {
         };
         self.transcript.push(Entry::Http(exchange));
         result
-    }
-
-    /// Adds sandboxes and snapshots created by a 201 to the ledger.
-    fn remember_created(&mut self, p: &Prepared, obs: &Observed) {
-        if p.method != Method::Post || obs.status != 201 {
-            return;
-        }
-        let path = p.target.split('?').next().unwrap_or_default();
-        let kind = if path == "/v1/sandboxes" {
-            "sandboxes"
-        } else if path.starts_with("/v1/sandboxes/") && path.ends_with("/snapshots") {
-            "snapshots"
-        } else {
-            return;
-        };
-        if let Some(id) = obs
-            .json()
-            .ok()
-            .and_then(|j| j.get("id").and_then(Value::as_str).map(str::to_owned))
-        {
-            let path = format!("/v1/{kind}/{id}");
-            if !self.ledger.iter().any(|c| c.path == path) {
-                self.ledger.push(Created {
-                    path,
-                    principal: p.principal,
-                    swept: false,
-                });
-            }
-        }
     }
 
     fn judge(&mut self, r: &Request, obs: &Observed) -> Result<(), StepError> {
@@ -704,8 +726,13 @@ impl<'a> Ctx<'a> {
             .transpose()?;
         let at_ms = self.at();
         let sent = Instant::now();
-        // No total timeout: the read below has its own deadline.
-        let result = self.builder(&self.target.client, &prepared).send().await;
+        // The response headers, like the stream after them, must come within the step's
+        // deadline; no request timeout beyond that.
+        let result = tokio::time::timeout(
+            deadline,
+            self.builder(&self.target.client, &prepared).send(),
+        )
+        .await;
         let mut exchange = SseExchange {
             step: label.to_owned(),
             at_ms,
@@ -720,8 +747,16 @@ impl<'a> Ctx<'a> {
             end: String::new(),
         };
         let response = match result {
-            Ok(r) => r,
-            Err(e) => {
+            Ok(Ok(r)) => r,
+            Err(_) => {
+                let reason = format!(
+                    "no response: headers not received within {deadline_s}s (the step's deadline)"
+                );
+                exchange.end = format!("error: {reason}");
+                self.transcript.push(Entry::Sse(exchange));
+                return Err(StepError::Fail(reason));
+            }
+            Ok(Err(e)) => {
                 let reason = describe_reqwest(&e);
                 exchange.end = format!("error: {reason}");
                 self.transcript.push(Entry::Sse(exchange));
@@ -748,7 +783,7 @@ impl<'a> Ctx<'a> {
         }
         if status != 200 {
             // Not a stream: judge the response like any other.
-            let body = tokio::time::timeout(REQUEST_TIMEOUT, response.bytes())
+            let body = tokio::time::timeout(self.target.request_timeout, response.bytes())
                 .await
                 .ok()
                 .and_then(Result::ok)
@@ -1261,47 +1296,18 @@ impl<'a> Ctx<'a> {
             prepared.push(self.prepare(r)?);
         }
         let client = self.target.client.clone();
+        let limit = self.target.request_timeout;
         let futures = prepared.iter().map(|pr| {
-            let b = self.builder(&client, pr).timeout(REQUEST_TIMEOUT);
+            let b = self.builder(&client, pr);
             async move {
                 let sent = Instant::now();
-                let r = b.send().await;
-                let r = match r {
-                    Ok(resp) => {
-                        let status = resp.status().as_u16();
-                        let headers = resp.headers().clone();
-                        let stream = headers
-                            .get(reqwest::header::CONTENT_TYPE)
-                            .and_then(|v| v.to_str().ok())
-                            .is_some_and(|ct| ct.starts_with("text/event-stream"));
-                        if close_streams && stream && resp.status().is_success() {
-                            // Dropping the response closes its connection.
-                            drop(resp);
-                            return (
-                                Ok(Observed {
-                                    status,
-                                    headers,
-                                    body: Default::default(),
-                                }),
-                                sent.elapsed(),
-                            );
-                        }
-                        resp.bytes()
-                            .await
-                            .map(|body| Observed {
-                                status,
-                                headers,
-                                body,
-                            })
-                            .map_err(|e| (describe_reqwest(&e), false))
-                    }
-                    Err(e) => Err((describe_reqwest(&e), e.is_connect())),
-                };
+                let r = exchange(b, limit, close_streams).await;
                 (r, sent.elapsed())
             }
         });
         let at_ms = self.at();
         let results = futures_util::future::join_all(futures).await;
+        let before = self.ledger.len();
         let mut observed = Vec::new();
         for (pr, (result, took)) in prepared.iter().zip(results) {
             let mut exchange = HttpExchange {
@@ -1345,6 +1351,11 @@ impl<'a> Ctx<'a> {
                 }
             }
             self.transcript.push(Entry::Http(exchange));
+        }
+        if p.removed_by_sweep {
+            for created in &mut self.ledger[before..] {
+                created.by_sweep = true;
+            }
         }
         let failures = judge_tallies(&p.expect, &observed, &self.vars)?;
         if failures.is_empty() {
@@ -1395,65 +1406,64 @@ impl<'a> Ctx<'a> {
             Err(StepError::Fail(failures.join("; ")))
         }
     }
+}
 
-    /// Removes what the run created and its cleanup left behind. A resource that cannot be
-    /// removed (or stays visible after a 204) fails the scenario.
-    async fn sweep(&mut self) -> Outcome {
-        let client = self.target.client.clone();
-        let mut outcome = Outcome::Pass;
-        // Newest first, so that a sandbox cloned from a snapshot goes before the snapshot.
-        for i in (0..self.ledger.len()).rev() {
-            let path = self.ledger[i].path.clone();
-            let principal = self.ledger[i].principal;
-            let get = Prepared {
-                via: Via::Primary,
-                method: Method::Get,
-                target: path.clone(),
-                principal,
-                headers: Vec::new(),
-                literal_auth: false,
-                body: None,
-            };
-            let Ok(obs) = self.send(&client, &get, "sweep").await else {
-                return outcome.combine(Outcome::Error {
-                    reason: "sweep: target unreachable".into(),
-                });
-            };
-            if obs.status == 404 {
-                continue;
-            }
-            let delete = Prepared {
-                via: Via::Primary,
-                method: Method::Delete,
-                ..get
-            };
-            let deleted = self.send(&client, &delete, "sweep").await;
-            self.ledger[i].swept = true;
-            self.note(format!("sweep: removed leftover {path}"));
-            let gone = match deleted {
-                Ok(d) if d.status == 204 || d.status == 404 => {
-                    let get = Prepared {
-                        via: Via::Primary,
-                        method: Method::Get,
-                        target: path.clone(),
-                        principal,
-                        headers: Vec::new(),
-                        literal_auth: false,
-                        body: None,
-                    };
-                    matches!(self.send(&client, &get, "sweep").await, Ok(o) if o.status == 404)
-                }
-                _ => false,
-            };
-            if !gone {
-                outcome = outcome.combine(Outcome::Fail {
-                    step: "sweep".into(),
-                    reason: format!("{path} could not be removed"),
-                });
-            }
+/// Sends a request and reads its whole response, each wait bounded by `limit`: the response
+/// headers (connecting included), then every read of the body. The error is a reason and
+/// whether the target could not be connected to at all.
+async fn exchange(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    close_streams: bool,
+) -> Result<Observed, (String, bool)> {
+    let secs = limit.as_secs_f64();
+    let mut response = match tokio::time::timeout(limit, builder.send()).await {
+        Err(_) => {
+            return Err((
+                format!("headers not received within {secs}s (--request-timeout)"),
+                false,
+            ));
         }
-        outcome
+        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let stream = headers
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    if close_streams && stream && response.status().is_success() {
+        // Dropping the response closes its connection.
+        drop(response);
+        return Ok(Observed {
+            status,
+            headers,
+            body: Default::default(),
+        });
     }
+    let mut body = Vec::new();
+    loop {
+        match tokio::time::timeout(limit, response.chunk()).await {
+            Err(_) => {
+                return Err((
+                    format!(
+                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
+                        body.len()
+                    ),
+                    false,
+                ));
+            }
+            Ok(Err(e)) => return Err((describe_reqwest(&e), false)),
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+        }
+    }
+    Ok(Observed {
+        status,
+        headers,
+        body: body.into(),
+    })
 }
 
 /// Judges the responses of a `parallel` step against its tallies: each `exactly` tally must

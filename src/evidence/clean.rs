@@ -37,6 +37,13 @@ impl<'a> Cleaner<'a> {
         self.sanitizer.text(text).into_owned()
     }
 
+    fn leftover(&self, l: &crate::engine::Leftover) -> crate::engine::Leftover {
+        crate::engine::Leftover {
+            path: self.s(&l.path),
+            removed: l.removed,
+        }
+    }
+
     fn all(&self, list: &[String]) -> Vec<String> {
         list.iter().map(|t| self.s(t)).collect()
     }
@@ -70,7 +77,11 @@ impl<'a> Cleaner<'a> {
                     ..p.clone()
                 })
                 .collect(),
-            run_swept: self.all(&r.run_swept),
+            run_sweep: crate::live::RunSweep {
+                found: r.run_sweep.found.iter().map(|l| self.leftover(l)).collect(),
+                ignored: r.run_sweep.ignored.clone(),
+                error: r.run_sweep.error.as_deref().map(|t| self.s(t)),
+            },
             not_applicable: r
                 .not_applicable
                 .iter()
@@ -100,7 +111,7 @@ impl<'a> Cleaner<'a> {
                 .iter()
                 .map(|(k, v)| (self.s(k), *v))
                 .collect(),
-            swept: self.all(&s.swept),
+            swept: s.swept.iter().map(|l| self.leftover(l)).collect(),
             transcript: s.transcript.iter().map(|e| self.entry(&s.id, e)).collect(),
         }
     }

@@ -381,8 +381,21 @@ pub struct StreamTiming {
 pub struct Cleanup {
     /// Absence checks that held: GET answered 404 `not_found` and no list page held the ID.
     pub confirmed_absent: Vec<AbsenceConfirmation>,
-    /// Resources the sweep had to remove because cleanup left them.
+    /// What scenarios' leak checks (and, as `RUN-SWEEP`, the end-of-run sweep) found left
+    /// behind, and whether the sweep then removed each.
     pub swept: Vec<SweptResource>,
+    /// The end-of-run sweep: records it left alone, and why it could not finish.
+    pub run_sweep: RunSweepRecord,
+}
+
+/// What the end-of-run sweep did besides removing what it found.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSweepRecord {
+    /// Per list and principal, how many records lacked the run's tag and were left alone.
+    pub ignored: Vec<crate::live::Ignored>,
+    /// Why the sweep could not finish, or `null`.
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -402,6 +415,8 @@ pub const RUN_SWEEP: &str = "RUN-SWEEP";
 pub struct SweptResource {
     pub scenario: String,
     pub path: String,
+    /// The sweep removed it and a GET afterwards answered 404.
+    pub removed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -509,18 +524,24 @@ impl Statement {
             cleanup
                 .confirmed_absent
                 .extend(confirmed_absent(s, &mut placeholders));
-            cleanup.swept.extend(s.swept.iter().map(|p| SweptResource {
+            cleanup.swept.extend(s.swept.iter().map(|l| SweptResource {
                 scenario: s.id.clone(),
-                path: placeholders.apply(p),
+                path: placeholders.apply(&l.path),
+                removed: l.removed,
             }));
         }
         // The end-of-run sweep's findings: left behind by the run, whichever scenario it was.
         cleanup
             .swept
-            .extend(report.run_swept.iter().map(|p| SweptResource {
+            .extend(report.run_sweep.found.iter().map(|l| SweptResource {
                 scenario: RUN_SWEEP.to_owned(),
-                path: placeholders.apply(p),
+                path: placeholders.apply(&l.path),
+                removed: l.removed,
             }));
+        cleanup.run_sweep = RunSweepRecord {
+            ignored: report.run_sweep.ignored.clone(),
+            error: report.run_sweep.error.clone(),
+        };
         let measurements = report
             .scenarios
             .iter()

@@ -260,7 +260,7 @@ pub(crate) fn render(statement: &Statement) -> String {
     md.push_str("\n## Cleanup\n\n");
     let _ = writeln!(
         md,
-        "{} absence checks confirmed (404 `not_found` and absent from every list page); {} leftovers removed by the sweep.\n",
+        "{} absence checks confirmed (404 `not_found` and absent from every list page); {} leftovers found by leak checks and the end-of-run sweep.\n",
         r.cleanup.confirmed_absent.len(),
         r.cleanup.swept.len()
     );
@@ -272,7 +272,35 @@ pub(crate) fn render(statement: &Statement) -> String {
         );
     }
     for s in &r.cleanup.swept {
-        let _ = writeln!(md, "- swept: `{}` {}", s.scenario, s.path);
+        let _ = writeln!(
+            md,
+            "- left behind: `{}` {} ({})",
+            s.scenario,
+            s.path,
+            if s.removed {
+                "removed by the sweep"
+            } else {
+                "the sweep could NOT remove it"
+            }
+        );
+    }
+    for i in &r.cleanup.run_sweep.ignored {
+        let _ = writeln!(
+            md,
+            "- {}: {} record(s) of `{}` (as {}) without this run's tag, left alone{}",
+            if i.filtered { "warning" } else { "ignored" },
+            i.count,
+            i.list,
+            i.principal,
+            if i.filtered {
+                " although the list was asked to filter by the tag"
+            } else {
+                ""
+            }
+        );
+    }
+    if let Some(e) = &r.cleanup.run_sweep.error {
+        let _ = writeln!(md, "- the end-of-run sweep could not finish: {}", cell(e));
     }
     md
 }

@@ -362,7 +362,7 @@ mod tests {
                 ),
             ),
             scenarios,
-            run_swept: Vec::new(),
+            run_sweep: Default::default(),
             not_applicable: Vec::new(),
         }
     }

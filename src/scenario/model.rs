@@ -629,6 +629,11 @@ pub struct Parallel {
     /// Pause between attempts (with `within_s`); 1000 ms unless given.
     #[serde(default)]
     pub every_ms: Option<Located<u64>>,
+    /// What these requests create cannot be captured, so no cleanup step can name it: with
+    /// `true`, the engine removes it after cleanup (each delete confirmed by a 404) instead
+    /// of the leak check failing on it.
+    #[serde(default)]
+    pub removed_by_sweep: bool,
 }
 
 /// "exactly N responses with this status (and code)", or "all the rest".
