@@ -143,7 +143,7 @@ fn clauses_must_exist_in_the_protocol() {
         "bad.yaml:3:20: clause `SBX-3.999` is not a clause of docs/protocol.md",
     );
     // SBX-3.13 is a SHOULD clause: a MUST scenario needs a MUST one.
-    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.13]\nlevel: MUST\ndefects: [ttl-not-enforced]\nsteps:\n  - sleep: {ms: 1}\n";
+    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.13]\nlevel: MUST\ndefects: [{defect: ttl-not-enforced, fails_at: sleep}]\nsteps:\n  - sleep: {ms: 1}\n";
     check_err(
         text,
         "bad.yaml:3:11: a MUST scenario must cite at least one MUST clause",
@@ -156,7 +156,7 @@ fn clauses_must_exist_in_the_protocol() {
 /// failure and cleanup runs anyway. The parser refuses it rather than the run failing there.
 #[test]
 fn cleanup_cannot_compare_with_a_digest_that_may_not_exist() {
-    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: SHOULD\nrequires: [test_controls]\n\
+    let text = "id: SBX-LIFE-001\ntitle: t\nclauses: [SBX-3.1]\nlevel: SHOULD\nrequires: [test_controls, expiry_hold, admin_token]\n\
         steps:\n  - digest: {into: before}\n  - snapshot: {into: owned}\n  - sleep: {ms: 1}\n\
         cleanup:\n  - expect_digest_unchanged: {since: before}\n  - expect_snapshot_unchanged: {since: owned}\n";
     check_err(
