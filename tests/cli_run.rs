@@ -78,7 +78,7 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
     let code = run_against(&[], "SANDSPEC_CLI_CLEAN", &clean).await;
     assert_eq!(code, ExitCode::from(0));
     assert_eq!(
-        sandspec::evidence::verify_cli(&clean),
+        sandspec::evidence::verify_cli(&clean, None),
         0,
         "the folder verifies"
     );

@@ -55,6 +55,7 @@ impl Run {
             },
             interrupted: false,
             not_run: Vec::new(),
+            sign_key: None,
         }
     }
 
@@ -111,6 +112,7 @@ fn scenario(
         tags: vec![],
         defects: vec![],
         outcome,
+        started_ms: 0,
         duration_ms: 120,
         attempts: 1,
         measurements: BTreeMap::new(),
@@ -436,7 +438,7 @@ fn a_clean_folder_is_written_and_verifies() {
     let report = verify(&dest);
     assert!(report.ok(), "{:?}", report.problems);
     assert_eq!(report.files_checked, 8);
-    assert_eq!(verify_cli(&dest), 0);
+    assert_eq!(verify_cli(&dest, None), 0);
 }
 
 #[test]
@@ -767,7 +769,7 @@ fn verify_fails_on_one_changed_byte() {
         report.problems,
         [Problem::DigestMismatch("summary.md".into())]
     );
-    assert_eq!(verify_cli(&copy_dir), 1);
+    assert_eq!(verify_cli(&copy_dir, None), 1);
 }
 
 #[test]
@@ -886,9 +888,9 @@ fn verify_fails_on_missing_and_unlisted_files_and_inconsistent_counts() {
 #[test]
 fn verify_cli_refuses_a_missing_directory() {
     let tmp = tempfile::tempdir().unwrap();
-    assert_eq!(verify_cli(&tmp.path().join("nope")), 2);
+    assert_eq!(verify_cli(&tmp.path().join("nope"), None), 2);
     assert_eq!(
-        verify_cli(tmp.path()),
+        verify_cli(tmp.path(), None),
         1,
         "an empty folder has no manifest and no receipt"
     );
@@ -1167,6 +1169,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         subject: Subject::reference_binary(&binary).unwrap(),
         interrupted: false,
         not_run: vec![],
+        sign_key: None,
     };
     let tmp = tempfile::tempdir().unwrap();
     let dest = write_run_folder(
