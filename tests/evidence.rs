@@ -10,9 +10,10 @@ use std::sync::Arc;
 use sandspec::cli::run_all;
 use sandspec::engine::{Body, Credential, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
 use sandspec::evidence::{
-    EvidenceError, OutcomeLabel, Problem, Sanitizer, Statement, Subject, SubjectSource,
-    WriteOptions, for_tokens, new_canary, normalize, sanitized_report, sha256_hex,
-    validate_receipt, verify, verify_cli, write_run_folder,
+    ENVELOPE, Envelope, EvidenceError, OutcomeLabel, PAYLOAD_TYPE, Problem, Sanitizer, SigningKey,
+    Statement, Subject, SubjectSource, VerifyingKey, WriteOptions, for_tokens, new_canary,
+    normalize, sanitized_report, sha256_hex, validate_receipt, verify, verify_cli, verify_with_key,
+    write_run_folder,
 };
 use sandspec::report::{RunReport, ScenarioReport, TargetInfo};
 use sandspec::scenario::{Level, Principal, load_dir_partial};
@@ -399,6 +400,7 @@ fn a_clean_folder_is_written_and_verifies() {
             "junit.xml",
             "manifest.json",
             "receipt.json",
+            "report.html",
             "summary.md",
             "transcripts/AUTH-NOAUTH-001.json",
             "transcripts/PRC-STREAM-001.json",
@@ -437,7 +439,7 @@ fn a_clean_folder_is_written_and_verifies() {
 
     let report = verify(&dest);
     assert!(report.ok(), "{:?}", report.problems);
-    assert_eq!(report.files_checked, 8);
+    assert_eq!(report.files_checked, 9);
     assert_eq!(verify_cli(&dest, None), 0);
 }
 
@@ -767,7 +769,10 @@ fn verify_fails_on_one_changed_byte() {
     let report = verify(&copy_dir);
     assert_eq!(
         report.problems,
-        [Problem::DigestMismatch("summary.md".into())]
+        [
+            Problem::DigestMismatch("summary.md".into()),
+            Problem::Inconsistent("summary.md differs from the receipt's digest".into())
+        ]
     );
     assert_eq!(verify_cli(&copy_dir, None), 1);
 }
@@ -782,11 +787,21 @@ fn verify_fails_on_a_pasted_token_even_with_a_matching_manifest() {
     reseal(&copy_dir);
     let report = verify(&copy_dir);
     assert!(!report.ok());
+    // The resealed manifest hides nothing: the receipt names summary.md's digest too.
     assert!(
         report
             .problems
             .iter()
-            .all(|p| matches!(p, Problem::Secret { file, .. } if file == "summary.md")),
+            .any(|p| matches!(p, Problem::Secret { file, .. } if file == "summary.md")),
+        "{:?}",
+        report.problems
+    );
+    assert!(
+        report.problems.iter().all(|p| match p {
+            Problem::Secret { file, .. } => file == "summary.md",
+            Problem::Inconsistent(d) => d == "summary.md differs from the receipt's digest",
+            _ => false,
+        }),
         "{:?}",
         report.problems
     );
@@ -974,6 +989,175 @@ const DETECT_SECRETS_ARGS: &[&str] = &[
     // idempotency keys and tags: `once-<run id>`.
     "^([a-z]{1,12}-)?[0-9a-z]{26}$",
 ];
+
+/// A fresh Ed25519 key, made for this test only.
+fn signing_key() -> SigningKey {
+    use base64::Engine as _;
+    let der =
+        ring::signature::Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new()).unwrap();
+    let pem = format!(
+        "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
+        base64::engine::general_purpose::STANDARD.encode(der.as_ref())
+    );
+    SigningKey::from_pem(&pem, Path::new("test-key.pem")).unwrap()
+}
+
+fn public(key: &SigningKey) -> VerifyingKey {
+    VerifyingKey::from_pem(&key.public_key_pem(), Path::new("test-key.pub")).unwrap()
+}
+
+/// A signed folder and a copy of it to tamper with.
+fn signed_and_copy(key: &SigningKey) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WriteOptions {
+        sign_key: Some(key.clone()),
+        ..run.options()
+    };
+    let dest = write_run_folder(
+        &tmp.path().join("r"),
+        &report(&run.canary),
+        &run.sanitizer,
+        &options,
+    )
+    .unwrap();
+    let copy_dir = tmp.path().join("copy");
+    copy(&dest, &copy_dir);
+    (tmp, dest, copy_dir)
+}
+
+#[test]
+fn a_signed_folder_verifies_with_its_key_and_no_other() {
+    let key = signing_key();
+    let (_tmp, dest, _copy) = signed_and_copy(&key);
+    assert!(dest.join(ENVELOPE).is_file());
+    let checked = verify_with_key(&dest, Some(&public(&key)));
+    assert!(checked.ok(), "{:?}", checked.problems);
+    assert_eq!(checked.signature_by.as_deref(), Some(key.keyid()));
+
+    // Without a key the folder still verifies, and says it is signed.
+    let unchecked = verify(&dest);
+    assert!(unchecked.ok() && unchecked.signed && unchecked.signature_by.is_none());
+
+    // The envelope is DSSE over the exact bytes of receipt.json.
+    let envelope: Envelope =
+        serde_json::from_slice(&std::fs::read(dest.join(ENVELOPE)).unwrap()).unwrap();
+    assert_eq!(envelope.payload_type, PAYLOAD_TYPE);
+    assert_eq!(envelope.signatures.len(), 1);
+    assert_eq!(envelope.signatures[0].keyid, key.keyid());
+    use base64::Engine as _;
+    assert_eq!(
+        base64::engine::general_purpose::STANDARD
+            .decode(&envelope.payload)
+            .unwrap(),
+        std::fs::read(dest.join("receipt.json")).unwrap()
+    );
+
+    let other = signing_key();
+    let refused = verify_with_key(&dest, Some(&public(&other)));
+    assert_eq!(
+        refused.problems,
+        [Problem::Signature(format!(
+            "no signature in {ENVELOPE} verifies with key {}",
+            other.keyid()
+        ))]
+    );
+}
+
+#[test]
+fn an_unsigned_folder_is_refused_when_a_key_is_given() {
+    let (_tmp, dest, _copy) = written_and_copy();
+    let key = signing_key();
+    assert_eq!(
+        verify_with_key(&dest, Some(&public(&key))).problems,
+        [Problem::Signature(format!(
+            "the receipt is not signed ({ENVELOPE} is missing)"
+        ))]
+    );
+}
+
+/// Changes one character in the middle of `bytes` (a letter or digit to another).
+fn change_one_character(bytes: &mut [u8]) {
+    let at = (bytes.len() / 2..bytes.len())
+        .chain(0..bytes.len() / 2)
+        .find(|i| bytes[*i].is_ascii_alphanumeric())
+        .expect("a letter or digit to change");
+    bytes[at] = match bytes[at] {
+        b'0'..=b'8' | b'a'..=b'y' | b'A'..=b'Y' => bytes[at] + 1,
+        b'9' => b'0',
+        b'z' => b'a',
+        _ => b'A',
+    };
+}
+
+/// Every file of a signed folder, changed by one character with the manifest resealed (so
+/// the manifest check alone cannot be what notices), is refused under the signing key; so is
+/// a file added to the folder and to the manifest.
+#[test]
+fn any_change_to_a_signed_folder_is_refused() {
+    let key = signing_key();
+    let (tmp, dest, _copy) = signed_and_copy(&key);
+    let public = public(&key);
+    let names: Vec<String> = files(&dest).into_keys().collect();
+    assert!(names.len() >= 10, "{names:?}");
+    for (i, name) in names.iter().enumerate() {
+        let dir = tmp.path().join(format!("changed-{i}"));
+        copy(&dest, &dir);
+        let path = dir.join(name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        change_one_character(&mut bytes);
+        std::fs::write(&path, bytes).unwrap();
+        if name != "manifest.json" {
+            reseal(&dir);
+        }
+        let checked = verify_with_key(&dir, Some(&public));
+        assert!(!checked.ok(), "a change to {name} went unnoticed");
+        if name != "manifest.json" {
+            assert!(
+                checked
+                    .problems
+                    .iter()
+                    .any(|p| !matches!(p, Problem::DigestMismatch(_) | Problem::Manifest(_))),
+                "{name}: only the manifest noticed: {:?}",
+                checked.problems
+            );
+        }
+    }
+
+    // A changed receipt signed again with another key is refused under the right one.
+    let dir = tmp.path().join("resigned");
+    copy(&dest, &dir);
+    let receipt_path = dir.join("receipt.json");
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&receipt_path).unwrap()).unwrap();
+    v["predicate"]["target"]["server_version"] = "9.9.9".into();
+    let mut changed = serde_json::to_vec_pretty(&v).unwrap();
+    changed.push(b'\n');
+    std::fs::write(&receipt_path, &changed).unwrap();
+    std::fs::write(
+        dir.join(ENVELOPE),
+        serde_json::to_vec_pretty(&signing_key().sign(&changed)).unwrap(),
+    )
+    .unwrap();
+    reseal(&dir);
+    let problems = verify_with_key(&dir, Some(&public)).problems;
+    assert!(
+        matches!(problems.as_slice(), [Problem::Signature(d)] if d.starts_with("no signature")),
+        "{problems:?}"
+    );
+
+    // A file added to the folder and to the manifest is not named by the signed receipt.
+    let dir = tmp.path().join("added");
+    copy(&dest, &dir);
+    std::fs::write(dir.join("notes.md"), "all good\n").unwrap();
+    reseal(&dir);
+    assert_eq!(
+        verify_with_key(&dir, Some(&public)).problems,
+        [Problem::Inconsistent(
+            "notes.md is in the folder but the receipt does not name it".into()
+        )]
+    );
+}
 
 /// Runs detect-secrets (PyPI, an independent scanner) over `dir` and returns its findings
 /// as `file:line type: line text`, or `None` when it cannot be installed. It is installed in

@@ -202,7 +202,16 @@ pub(crate) fn render(
     }
     files.insert(RECEIPT.to_owned(), receipt);
 
-    for (name, bytes) in &files {
+    // Transcripts first, then the receipt, then its views: a leak is named where it arose.
+    let mut order: Vec<(&String, &Vec<u8>)> = files.iter().collect();
+    order.sort_by_key(|(name, _)| {
+        (
+            !name.starts_with("transcripts/"),
+            name.as_str() != RECEIPT,
+            name.as_str(),
+        )
+    });
+    for (name, bytes) in order {
         scan(&scanner, name, bytes)?;
     }
     let manifest = Manifest {
