@@ -318,6 +318,9 @@ struct EntryView {
     line: String,
     /// (caption, preformatted text).
     parts: Vec<(String, String)>,
+    /// (caption, header pairs), shown as tables: a header per row, so that no value runs
+    /// into the next header's name as one line of text would.
+    headers: Vec<(String, Vec<(String, String)>)>,
 }
 
 pub(crate) fn outcome_class(o: OutcomeLabel) -> &'static str {
@@ -776,18 +779,20 @@ fn transcript_entries(
         .map(|e| match e {
             EntryFile::Http(h) => {
                 let mut parts = Vec::new();
-                if !h.request_headers.is_empty() {
-                    parts.push(("request headers".to_owned(), headers(&h.request_headers)));
-                }
                 if let Some(b) = &h.request_body {
                     parts.push(("request body".to_owned(), body(b, path)));
-                }
-                if !h.response_headers.is_empty() {
-                    parts.push(("response headers".to_owned(), headers(&h.response_headers)));
                 }
                 if let Some(b) = &h.response_body {
                     parts.push(("response body".to_owned(), body(b, path)));
                 }
+                let headers = [
+                    ("request headers", h.request_headers),
+                    ("response headers", h.response_headers),
+                ]
+                .into_iter()
+                .filter(|(_, pairs)| !pairs.is_empty())
+                .map(|(caption, pairs)| (caption.to_owned(), pairs))
+                .collect();
                 let answer = match (&h.status, &h.error) {
                     (_, Some(err)) => format!("error: {err}"),
                     (Some(status), None) => status.to_string(),
@@ -805,6 +810,7 @@ fn transcript_entries(
                     step: h.step,
                     at_ms: h.at_ms,
                     parts,
+                    headers,
                 }
             }
             EntryFile::Sse(s) => {
@@ -841,6 +847,7 @@ fn transcript_entries(
                     } else {
                         vec![(format!("{} frames", s.frames.len()), frames)]
                     },
+                    headers: Vec::new(),
                 }
             }
             EntryFile::Note(n) => EntryView {
@@ -849,6 +856,7 @@ fn transcript_entries(
                 failed: false,
                 line: n.text,
                 parts: Vec::new(),
+                headers: Vec::new(),
             },
         })
         .collect())
@@ -866,14 +874,6 @@ fn credential(v: &serde_json::Value) -> String {
         },
         other => other.to_string(),
     }
-}
-
-fn headers(pairs: &[(String, String)]) -> String {
-    pairs
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}"))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 fn body(b: &BodyFile, path: &str) -> String {
