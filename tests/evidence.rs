@@ -988,7 +988,161 @@ const DETECT_SECRETS_ARGS: &[&str] = &[
     // Run IDs (a lowercase ULID), alone or behind a short label, as scenarios build their
     // idempotency keys and tags: `once-<run id>`.
     "^([a-z]{1,12}-)?[0-9a-z]{26}$",
+    "--exclude-secrets",
+    // The Content-Security-Policy source of report.html: the SHA-256 of its own style sheet.
+    "^sha256-[A-Za-z0-9+/]{43}=$",
 ];
+
+/// The page loads nothing and runs nothing: no scripts, no external style sheets, fonts or
+/// images, links only within the folder, and a policy whose hash is that of its one style
+/// sheet. It shows every scenario, the verdict, and failures first with their reasons.
+#[test]
+fn the_report_is_self_contained_and_shows_the_run() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let html = std::fs::read_to_string(dest.join("report.html")).unwrap();
+    for banned in [
+        "<script", "<link", "<img", "<iframe", " src=", "url(", "@import",
+    ] {
+        assert!(!html.contains(banned), "report.html holds {banned}");
+    }
+    for href in html.split("href=\"").skip(1) {
+        let target = &href[..href.find('"').unwrap()];
+        assert!(
+            target.starts_with("transcripts/") && !target.contains(".."),
+            "a link leaves the folder: {target}"
+        );
+    }
+    let style = {
+        let start = html.find("<style>").unwrap() + "<style>".len();
+        &html[start..html.find("</style>").unwrap()]
+    };
+    use base64::Engine as _;
+    let hash = base64::engine::general_purpose::STANDARD
+        .encode(<sha2::Sha256 as sha2::Digest>::digest(style.as_bytes()));
+    assert!(
+        html.contains(&format!(
+            r#"content="default-src 'none'; style-src 'sha256-{hash}'; img-src 'none'; base-uri 'none'; form-action 'none'""#
+        )),
+        "the policy does not allow exactly the page's style sheet"
+    );
+
+    let r = receipt(&dest).predicate;
+    for s in &r.scenarios {
+        let outcome = serde_json::to_value(s.outcome).unwrap();
+        let row = format!(
+            r#"<tr id="scenario-{}" data-outcome="{}">"#,
+            s.id,
+            outcome.as_str().unwrap()
+        );
+        assert!(html.contains(&row), "no row {row}");
+    }
+    assert!(html.contains(r#"id="verdict-all">non-conformant</span>"#));
+    // Failures come first, each with its reason and its transcript collapsed.
+    let failures = html.find(r#"<section id="failures">"#).unwrap();
+    let card = html.find(r#"id="failure-AUTH-NOAUTH-001""#).unwrap();
+    assert!(failures < card && card < html.find(r#"<section id="skips">"#).unwrap());
+    let reason = r
+        .scenarios
+        .iter()
+        .find(|s| s.id == "AUTH-NOAUTH-001")
+        .and_then(|s| s.reason.clone())
+        .unwrap();
+    assert!(reason.contains("status 200, expected 401"), "{reason}");
+    assert!(
+        html[card..].contains(&format!(r#"<p class="reason">{reason}</p>"#)),
+        "{reason}"
+    );
+    assert!(html[card..].contains("<details>"));
+    assert!(html.contains(r#"<tr id="skip-SBX-PAUSE-001">"#));
+    assert!(html.contains("target does not advertise `pause`"));
+    // The manifest and the receipt both name it.
+    let manifest = String::from_utf8(std::fs::read(dest.join("manifest.json")).unwrap()).unwrap();
+    assert!(manifest.contains(r#""path": "report.html""#));
+    assert!(r.documents.iter().any(|d| d.path == "report.html"));
+}
+
+/// A scenario full of secrets fails, so its transcript is rendered into report.html: the
+/// page holds none of them, says where they were redacted, and detect-secrets finds nothing.
+#[test]
+fn a_failed_transcript_in_the_report_holds_no_secret() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let life = rep
+        .scenarios
+        .iter_mut()
+        .find(|s| s.id == "SBX-LIFE-001")
+        .unwrap();
+    life.outcome = Outcome::Fail {
+        step: "steps[2] open preview".into(),
+        reason: "status 200, expected 404".into(),
+    };
+    rep.profiles = RunReport::judge(&rep.scenarios, false);
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run.write(&rep, &tmp.path().join("r")).unwrap();
+    let html = std::fs::read_to_string(dest.join("report.html")).unwrap();
+    assert!(html.contains(r#"id="failure-SBX-LIFE-001""#));
+    assert!(
+        html.contains("preview_token=[REDACTED]") && html.contains("(failed step)"),
+        "the transcript is on the page"
+    );
+    for secret in [
+        OWNER_TOKEN,
+        OTHER_TOKEN,
+        DB_PASSWORD,
+        PREVIEW_TOKEN,
+        run.canary.as_str(),
+        "sk-live0123",
+        "ghp_0123",
+    ] {
+        assert!(!html.contains(secret), "report.html holds {secret}");
+    }
+    assert!(verify(&dest).ok());
+    let Some(findings) = detect_secrets(&dest) else {
+        return;
+    };
+    assert!(
+        findings.is_empty(),
+        "detect-secrets found:\n{}",
+        findings.join("\n")
+    );
+}
+
+/// A canary echoed into a failed scenario's transcript is refused before anything is
+/// written, and named in the transcript where it arose, not in the page that shows it.
+#[test]
+fn a_canary_in_a_failed_transcript_is_named_where_it_arose() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let auth = rep
+        .scenarios
+        .iter_mut()
+        .find(|s| s.id == "AUTH-NOAUTH-001")
+        .unwrap();
+    auth.transcript.push(http(
+        "steps[3] echo",
+        "GET",
+        "/v1/echo",
+        200,
+        None,
+        text(&format!("you said {}", run.canary)),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    match run.write(&rep, &tmp.path().join("r")) {
+        Err(EvidenceError::Leak { file, what }) => {
+            assert!(
+                file.starts_with("transcripts/AUTH-NOAUTH-001.json:"),
+                "{file}"
+            );
+            assert_eq!(what, "canary");
+        }
+        other => panic!("expected a leak, got {other:?}"),
+    }
+    assert!(!tmp.path().join("r").exists());
+}
 
 /// A fresh Ed25519 key, made for this test only.
 fn signing_key() -> SigningKey {
