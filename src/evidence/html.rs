@@ -801,7 +801,7 @@ fn transcript_entries(
                 EntryView {
                     failed: failed_step == Some(h.step.as_str()),
                     line: format!(
-                        "{} {} as {} → {answer} in {} ms",
+                        "{} {} {} → {answer} in {} ms",
                         h.method,
                         h.target,
                         credential(&h.credential),
@@ -828,7 +828,7 @@ fn transcript_entries(
                 EntryView {
                     failed: failed_step == Some(s.step.as_str()),
                     line: format!(
-                        "SSE GET {} as {}{} → {} · first frame {} · EOF {} · end {}",
+                        "SSE GET {} {}{} → {} · first frame {} · EOF {} · end {}",
                         s.target,
                         credential(&s.credential),
                         s.last_event_id
@@ -862,17 +862,18 @@ fn transcript_entries(
         .collect())
 }
 
+/// How a request authenticated, as the transcript records it (never a token).
 fn credential(v: &serde_json::Value) -> String {
     match v {
-        serde_json::Value::String(s) if s == "none" => "no credential".to_owned(),
+        serde_json::Value::String(s) if s == "none" => "without a credential".to_owned(),
         serde_json::Value::String(s) if s == "scenario_literal" => {
-            "a literal Authorization header".to_owned()
+            "with a literal Authorization header".to_owned()
         }
         serde_json::Value::Object(m) => match m.get("principal").and_then(|p| p.as_str()) {
-            Some(p) => p.to_owned(),
-            None => v.to_string(),
+            Some(p) => format!("as {p}"),
+            None => format!("as {v}"),
         },
-        other => other.to_string(),
+        other => format!("as {other}"),
     }
 }
 
