@@ -96,6 +96,11 @@ pub struct RunArgs {
     /// Write JUnit XML to this file.
     #[arg(long, value_name = "FILE")]
     pub junit: Option<PathBuf>,
+    /// Sign the receipt with this Ed25519 private key (PKCS#8 PEM, as `openssl genpkey
+    /// -algorithm ed25519` writes it): the folder gets `receipt.dsse.json`, a DSSE envelope
+    /// that `sandspec evidence verify --key PUBFILE` checks.
+    #[arg(long, value_name = "FILE")]
+    pub sign_key: Option<PathBuf>,
     /// Certification run: the whole catalog (no --filter, --shard or --profile), and any skip
     /// makes the run non-conformant.
     #[arg(long)]
@@ -426,6 +431,13 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             "--certify runs the whole catalog: drop --filter, --shard and --profile".into(),
         ));
     }
+    // A key that cannot sign is a usage error found before anything runs.
+    let sign_key = args
+        .sign_key
+        .as_deref()
+        .map(crate::evidence::SigningKey::from_file)
+        .transpose()
+        .map_err(|e| RunError::Usage(format!("--sign-key: {e}")))?;
     // Check the overrides before anything starts.
     crate::target::Capabilities::default()
         .override_features(&args.assume_capability, &args.drop_capability)
@@ -572,6 +584,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         args.jobs as usize,
         args.retries,
         &stop,
+        started,
     )
     .await;
     let interrupted = stop.load(Ordering::SeqCst);
@@ -651,6 +664,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         &report,
         &sanitizer,
         &target.canary,
+        sign_key,
         interrupted,
         not_run.clone(),
     );
@@ -704,15 +718,24 @@ pub async fn run_all(
     retries: u32,
 ) -> Vec<crate::engine::ScenarioRun> {
     let never = AtomicBool::new(false);
-    run_until_stopped(target, scenarios, run_id, jobs, retries, &never)
-        .await
-        .into_iter()
-        .map(|r| r.expect("every scenario ran"))
-        .collect()
+    run_until_stopped(
+        target,
+        scenarios,
+        run_id,
+        jobs,
+        retries,
+        &never,
+        Instant::now(),
+    )
+    .await
+    .into_iter()
+    .map(|r| r.expect("every scenario ran"))
+    .collect()
 }
 
 /// Like [`run_all`], but once `stop` is set no further scenario starts; those already
-/// running finish, cleanup included. `None` marks a scenario that never ran.
+/// running finish, cleanup included. `None` marks a scenario that never ran. Each result's
+/// `started_ms` is measured from `epoch`, the run's start.
 pub async fn run_until_stopped(
     target: &Arc<Target>,
     scenarios: &[LoadedScenario],
@@ -720,7 +743,9 @@ pub async fn run_until_stopped(
     jobs: usize,
     retries: u32,
     stop: &AtomicBool,
+    epoch: Instant,
 ) -> Vec<Option<crate::engine::ScenarioRun>> {
+    let since_epoch = move || u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
     let progress = Progress::new(scenarios.len());
     let mut results: Vec<Option<crate::engine::ScenarioRun>> = vec![None; scenarios.len()];
     let semaphore = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
@@ -742,7 +767,9 @@ pub async fn run_until_stopped(
         let scenario = s.scenario.clone();
         let run_id = run_id.to_owned();
         set.spawn(async move {
-            let r = run_with_retries(&target, &scenario, &run_id, retries).await;
+            let started_ms = since_epoch();
+            let mut r = run_with_retries(&target, &scenario, &run_id, retries).await;
+            r.started_ms = started_ms;
             drop(permit);
             (i, r)
         });
@@ -765,7 +792,9 @@ pub async fn run_until_stopped(
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let r = run_with_retries(target, &s.scenario, run_id, retries).await;
+        let started_ms = since_epoch();
+        let mut r = run_with_retries(target, &s.scenario, run_id, retries).await;
+        r.started_ms = started_ms;
         progress.done(s, &r);
         results[i] = Some(r);
     }
@@ -916,6 +945,7 @@ fn write_outputs(
     report: &RunReport,
     sanitizer: &crate::evidence::Sanitizer,
     canary: &str,
+    sign_key: Option<crate::evidence::SigningKey>,
     interrupted: bool,
     not_run: Vec<String>,
 ) -> Result<(), String> {
@@ -931,6 +961,7 @@ fn write_outputs(
         subject,
         interrupted,
         not_run,
+        sign_key,
     };
     let written =
         write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;

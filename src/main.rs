@@ -39,12 +39,16 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum EvidenceCommand {
-    /// Check a run folder: manifest digests, the receipt against its schema, and a scan of
-    /// every file for secrets. Exit code 0 only when all hold, 1 otherwise, 2 when DIR is not
-    /// a folder.
+    /// Check a run folder: manifest digests, the receipt against its schema and the folder,
+    /// a scan of every file for secrets, and with --key the receipt's signature. Exit code 0
+    /// only when all hold, 1 otherwise, 2 when DIR is not a folder or the key is unusable.
     Verify {
         /// The run folder (e.g. evidence/runs/<run-id>).
         dir: PathBuf,
+        /// Ed25519 public key (SubjectPublicKeyInfo PEM) that must have signed the receipt
+        /// (`receipt.dsse.json`).
+        #[arg(long, value_name = "PUBFILE")]
+        key: Option<PathBuf>,
     },
 }
 
@@ -55,9 +59,9 @@ fn main() -> ExitCode {
         Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
         Command::Serve(args) => reference_server::cli::main(args),
         Command::Worker => worker(),
-        Command::Evidence(EvidenceCommand::Verify { dir }) => {
-            ExitCode::from(u8::try_from(sandspec::evidence::verify_cli(&dir)).unwrap_or(1))
-        }
+        Command::Evidence(EvidenceCommand::Verify { dir, key }) => ExitCode::from(
+            u8::try_from(sandspec::evidence::verify_cli(&dir, key.as_deref())).unwrap_or(1),
+        ),
     }
 }
 

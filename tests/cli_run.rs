@@ -78,7 +78,7 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
     let code = run_against(&[], "SANDSPEC_CLI_CLEAN", &clean).await;
     assert_eq!(code, ExitCode::from(0));
     assert_eq!(
-        sandspec::evidence::verify_cli(&clean),
+        sandspec::evidence::verify_cli(&clean, None),
         0,
         "the folder verifies"
     );
@@ -183,6 +183,21 @@ fn list_and_bad_flags() {
         .unwrap()
         .block_on(sandspec::cli::run(bad.run));
     assert_eq!(code, ExitCode::from(2));
+    // So is a signing key that is missing or is not an Ed25519 private key.
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_key = dir.path().join("not-a-key.pem");
+    std::fs::write(
+        &not_a_key,
+        "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n",
+    )
+    .unwrap();
+    for key in [dir.path().join("missing.pem"), not_a_key] {
+        let bad = Wrapper::try_parse_from(["run", "--sign-key", key.to_str().unwrap()]).unwrap();
+        let code = tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(sandspec::cli::run(bad.run));
+        assert_eq!(code, ExitCode::from(2), "{}", key.display());
+    }
     assert!(
         Wrapper::try_parse_from(["run", "--owner-token-env", "X"]).is_err(),
         "token flags need --target"
@@ -322,7 +337,7 @@ fn a_filtered_run_says_it_is_a_subset() {
         ),
         "{junit}"
     );
-    assert_eq!(sandspec::evidence::verify_cli(&out), 0);
+    assert_eq!(sandspec::evidence::verify_cli(&out, None), 0);
 }
 
 /// Creates a sandbox as the owner over plain HTTP, returning its ID.

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use sandspec::cli::run_all;
 use sandspec::engine::{Body, Credential, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
 use sandspec::evidence::{
-    EvidenceError, OutcomeLabel, Problem, Sanitizer, Statement, Subject, SubjectSource,
-    WriteOptions, for_tokens, new_canary, normalize, sanitized_report, sha256_hex,
-    validate_receipt, verify, verify_cli, write_run_folder,
+    ENVELOPE, Envelope, EvidenceError, OutcomeLabel, PAYLOAD_TYPE, Problem, Sanitizer, SigningKey,
+    Statement, Subject, SubjectSource, VerifyingKey, WriteOptions, for_tokens, new_canary,
+    normalize, sanitized_report, sha256_hex, validate_receipt, verify, verify_cli, verify_with_key,
+    write_run_folder,
 };
 use sandspec::report::{RunFacts, RunReport, ScenarioReport, TargetInfo};
 use sandspec::scenario::{Level, Principal, load_dir_partial};
@@ -55,6 +56,7 @@ impl Run {
             },
             interrupted: false,
             not_run: Vec::new(),
+            sign_key: None,
         }
     }
 
@@ -111,6 +113,7 @@ fn scenario(
         tags: vec![],
         defects: vec![],
         outcome,
+        started_ms: 0,
         duration_ms: 120,
         attempts: 1,
         measurements: BTreeMap::new(),
@@ -402,6 +405,7 @@ fn a_clean_folder_is_written_and_verifies() {
             "junit.xml",
             "manifest.json",
             "receipt.json",
+            "report.html",
             "summary.md",
             "transcripts/AUTH-NOAUTH-001.json",
             "transcripts/PRC-STREAM-001.json",
@@ -440,8 +444,8 @@ fn a_clean_folder_is_written_and_verifies() {
 
     let report = verify(&dest);
     assert!(report.ok(), "{:?}", report.problems);
-    assert_eq!(report.files_checked, 8);
-    assert_eq!(verify_cli(&dest), 0);
+    assert_eq!(report.files_checked, 9);
+    assert_eq!(verify_cli(&dest, None), 0);
 }
 
 #[test]
@@ -775,9 +779,12 @@ fn verify_fails_on_one_changed_byte() {
     let report = verify(&copy_dir);
     assert_eq!(
         report.problems,
-        [Problem::DigestMismatch("summary.md".into())]
+        [
+            Problem::DigestMismatch("summary.md".into()),
+            Problem::Inconsistent("summary.md differs from the receipt's digest".into())
+        ]
     );
-    assert_eq!(verify_cli(&copy_dir), 1);
+    assert_eq!(verify_cli(&copy_dir, None), 1);
 }
 
 #[test]
@@ -790,11 +797,21 @@ fn verify_fails_on_a_pasted_token_even_with_a_matching_manifest() {
     reseal(&copy_dir);
     let report = verify(&copy_dir);
     assert!(!report.ok());
+    // The resealed manifest hides nothing: the receipt names summary.md's digest too.
     assert!(
         report
             .problems
             .iter()
-            .all(|p| matches!(p, Problem::Secret { file, .. } if file == "summary.md")),
+            .any(|p| matches!(p, Problem::Secret { file, .. } if file == "summary.md")),
+        "{:?}",
+        report.problems
+    );
+    assert!(
+        report.problems.iter().all(|p| match p {
+            Problem::Secret { file, .. } => file == "summary.md",
+            Problem::Inconsistent(d) => d == "summary.md differs from the receipt's digest",
+            _ => false,
+        }),
         "{:?}",
         report.problems
     );
@@ -929,7 +946,7 @@ fn verify_refuses_verdicts_that_do_not_follow_from_the_outcomes() {
             "profile `all`: the receipt says conformant (no reason) but its scenario outcomes give non-conformant (MUST failed: AUTH-NOAUTH-001, PRC-STREAM-001)".into()
         )]
     );
-    assert_eq!(verify_cli(&copy_dir), 1);
+    assert_eq!(verify_cli(&copy_dir, None), 1);
 
     // A family's verdict, and its counts, are judged again too.
     let (_tmp, _dest, copy_dir) = written_and_copy();
@@ -1133,9 +1150,9 @@ fn coverage_lists_every_must_clause_and_cannot_be_inflated() {
 #[test]
 fn verify_cli_refuses_a_missing_directory() {
     let tmp = tempfile::tempdir().unwrap();
-    assert_eq!(verify_cli(&tmp.path().join("nope")), 2);
+    assert_eq!(verify_cli(&tmp.path().join("nope"), None), 2);
     assert_eq!(
-        verify_cli(tmp.path()),
+        verify_cli(tmp.path(), None),
         1,
         "an empty folder has no manifest and no receipt"
     );
@@ -1235,7 +1252,330 @@ const DETECT_SECRETS_ARGS: &[&str] = &[
     // Run IDs (a lowercase ULID), alone or behind a short label, as scenarios build their
     // idempotency keys and tags: `once-<run id>`.
     "^([a-z]{1,12}-)?[0-9a-z]{26}$",
+    "--exclude-secrets",
+    // The Content-Security-Policy source of report.html: the SHA-256 of its own style sheet.
+    "^sha256-[A-Za-z0-9+/]{43}=$",
 ];
+
+/// The page loads nothing and runs nothing: no scripts, no external style sheets, fonts or
+/// images, links only within the folder, and a policy whose hash is that of its one style
+/// sheet. It shows every scenario, the verdict, and failures first with their reasons.
+#[test]
+fn the_report_is_self_contained_and_shows_the_run() {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run
+        .write(&report(&run.canary), &tmp.path().join("r"))
+        .unwrap();
+    let html = std::fs::read_to_string(dest.join("report.html")).unwrap();
+    for banned in [
+        "<script", "<link", "<img", "<iframe", " src=", "url(", "@import",
+    ] {
+        assert!(!html.contains(banned), "report.html holds {banned}");
+    }
+    for href in html.split("href=\"").skip(1) {
+        let target = &href[..href.find('"').unwrap()];
+        assert!(
+            target.starts_with("transcripts/") && !target.contains(".."),
+            "a link leaves the folder: {target}"
+        );
+    }
+    let style = {
+        let start = html.find("<style>").unwrap() + "<style>".len();
+        &html[start..html.find("</style>").unwrap()]
+    };
+    use base64::Engine as _;
+    let hash = base64::engine::general_purpose::STANDARD
+        .encode(<sha2::Sha256 as sha2::Digest>::digest(style.as_bytes()));
+    assert!(
+        html.contains(&format!(
+            r#"content="default-src 'none'; style-src 'sha256-{hash}'; img-src 'none'; base-uri 'none'; form-action 'none'""#
+        )),
+        "the policy does not allow exactly the page's style sheet"
+    );
+
+    let r = receipt(&dest).predicate;
+    for s in &r.scenarios {
+        let outcome = serde_json::to_value(s.outcome).unwrap();
+        let row = format!(
+            r#"<tr id="scenario-{}" data-outcome="{}">"#,
+            s.id,
+            outcome.as_str().unwrap()
+        );
+        assert!(html.contains(&row), "no row {row}");
+    }
+    assert!(html.contains(r#"id="verdict-all">non-conformant</span>"#));
+    // Failures come first, each with its reason and its transcript collapsed.
+    let failures = html.find(r#"<section id="failures">"#).unwrap();
+    let card = html.find(r#"id="failure-AUTH-NOAUTH-001""#).unwrap();
+    assert!(failures < card && card < html.find(r#"<section id="skips">"#).unwrap());
+    let reason = r
+        .scenarios
+        .iter()
+        .find(|s| s.id == "AUTH-NOAUTH-001")
+        .and_then(|s| s.reason.clone())
+        .unwrap();
+    assert!(reason.contains("status 200, expected 401"), "{reason}");
+    assert!(
+        html[card..].contains(&format!(r#"<p class="reason">{reason}</p>"#)),
+        "{reason}"
+    );
+    assert!(html[card..].contains("<details>"));
+    assert!(html.contains(r#"<tr id="skip-SBX-PAUSE-001">"#));
+    assert!(html.contains("target does not advertise `pause`"));
+    // The manifest and the receipt both name it.
+    let manifest = String::from_utf8(std::fs::read(dest.join("manifest.json")).unwrap()).unwrap();
+    assert!(manifest.contains(r#""path": "report.html""#));
+    assert!(r.documents.iter().any(|d| d.path == "report.html"));
+}
+
+/// A scenario full of secrets fails, so its transcript is rendered into report.html: the
+/// page holds none of them, says where they were redacted, and detect-secrets finds nothing.
+#[test]
+fn a_failed_transcript_in_the_report_holds_no_secret() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let life = rep
+        .scenarios
+        .iter_mut()
+        .find(|s| s.id == "SBX-LIFE-001")
+        .unwrap();
+    life.outcome = Outcome::Fail {
+        step: "steps[2] open preview".into(),
+        reason: "status 200, expected 404".into(),
+    };
+    rep.profiles = RunReport::judge(&rep.scenarios, &whole_catalog(&rep.scenarios));
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = run.write(&rep, &tmp.path().join("r")).unwrap();
+    let html = std::fs::read_to_string(dest.join("report.html")).unwrap();
+    assert!(html.contains(r#"id="failure-SBX-LIFE-001""#));
+    assert!(
+        html.contains("preview_token=[REDACTED]") && html.contains("(failed step)"),
+        "the transcript is on the page"
+    );
+    for secret in [
+        OWNER_TOKEN,
+        OTHER_TOKEN,
+        DB_PASSWORD,
+        PREVIEW_TOKEN,
+        run.canary.as_str(),
+        "sk-live0123",
+        "ghp_0123",
+    ] {
+        assert!(!html.contains(secret), "report.html holds {secret}");
+    }
+    assert!(verify(&dest).ok());
+    let Some(findings) = detect_secrets(&dest) else {
+        return;
+    };
+    assert!(
+        findings.is_empty(),
+        "detect-secrets found:\n{}",
+        findings.join("\n")
+    );
+}
+
+/// A canary echoed into a failed scenario's transcript is refused before anything is
+/// written, and named in the transcript where it arose, not in the page that shows it.
+#[test]
+fn a_canary_in_a_failed_transcript_is_named_where_it_arose() {
+    let run = Run::new();
+    let mut rep = report(&run.canary);
+    let auth = rep
+        .scenarios
+        .iter_mut()
+        .find(|s| s.id == "AUTH-NOAUTH-001")
+        .unwrap();
+    auth.transcript.push(http(
+        "steps[3] echo",
+        "GET",
+        "/v1/echo",
+        200,
+        None,
+        text(&format!("you said {}", run.canary)),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    match run.write(&rep, &tmp.path().join("r")) {
+        Err(EvidenceError::Leak { file, what }) => {
+            assert!(
+                file.starts_with("transcripts/AUTH-NOAUTH-001.json:"),
+                "{file}"
+            );
+            assert_eq!(what, "canary");
+        }
+        other => panic!("expected a leak, got {other:?}"),
+    }
+    assert!(!tmp.path().join("r").exists());
+}
+
+/// A fresh Ed25519 key, made for this test only.
+fn signing_key() -> SigningKey {
+    use base64::Engine as _;
+    let der =
+        ring::signature::Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new()).unwrap();
+    let pem = format!(
+        "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
+        base64::engine::general_purpose::STANDARD.encode(der.as_ref())
+    );
+    SigningKey::from_pem(&pem, Path::new("test-key.pem")).unwrap()
+}
+
+fn public(key: &SigningKey) -> VerifyingKey {
+    VerifyingKey::from_pem(&key.public_key_pem(), Path::new("test-key.pub")).unwrap()
+}
+
+/// A signed folder and a copy of it to tamper with.
+fn signed_and_copy(key: &SigningKey) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let run = Run::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let options = WriteOptions {
+        sign_key: Some(key.clone()),
+        ..run.options()
+    };
+    let dest = write_run_folder(
+        &tmp.path().join("r"),
+        &report(&run.canary),
+        &run.sanitizer,
+        &options,
+    )
+    .unwrap();
+    let copy_dir = tmp.path().join("copy");
+    copy(&dest, &copy_dir);
+    (tmp, dest, copy_dir)
+}
+
+#[test]
+fn a_signed_folder_verifies_with_its_key_and_no_other() {
+    let key = signing_key();
+    let (_tmp, dest, _copy) = signed_and_copy(&key);
+    assert!(dest.join(ENVELOPE).is_file());
+    let checked = verify_with_key(&dest, Some(&public(&key)));
+    assert!(checked.ok(), "{:?}", checked.problems);
+    assert_eq!(checked.signature_by.as_deref(), Some(key.keyid()));
+
+    // Without a key the folder still verifies, and says it is signed.
+    let unchecked = verify(&dest);
+    assert!(unchecked.ok() && unchecked.signed && unchecked.signature_by.is_none());
+
+    // The envelope is DSSE over the exact bytes of receipt.json.
+    let envelope: Envelope =
+        serde_json::from_slice(&std::fs::read(dest.join(ENVELOPE)).unwrap()).unwrap();
+    assert_eq!(envelope.payload_type, PAYLOAD_TYPE);
+    assert_eq!(envelope.signatures.len(), 1);
+    assert_eq!(envelope.signatures[0].keyid, key.keyid());
+    use base64::Engine as _;
+    assert_eq!(
+        base64::engine::general_purpose::STANDARD
+            .decode(&envelope.payload)
+            .unwrap(),
+        std::fs::read(dest.join("receipt.json")).unwrap()
+    );
+
+    let other = signing_key();
+    let refused = verify_with_key(&dest, Some(&public(&other)));
+    assert_eq!(
+        refused.problems,
+        [Problem::Signature(format!(
+            "no signature in {ENVELOPE} verifies with key {}",
+            other.keyid()
+        ))]
+    );
+}
+
+#[test]
+fn an_unsigned_folder_is_refused_when_a_key_is_given() {
+    let (_tmp, dest, _copy) = written_and_copy();
+    let key = signing_key();
+    assert_eq!(
+        verify_with_key(&dest, Some(&public(&key))).problems,
+        [Problem::Signature(format!(
+            "the receipt is not signed ({ENVELOPE} is missing)"
+        ))]
+    );
+}
+
+/// Changes one character in the middle of `bytes` (a letter or digit to another).
+fn change_one_character(bytes: &mut [u8]) {
+    let at = (bytes.len() / 2..bytes.len())
+        .chain(0..bytes.len() / 2)
+        .find(|i| bytes[*i].is_ascii_alphanumeric())
+        .expect("a letter or digit to change");
+    bytes[at] = match bytes[at] {
+        b'0'..=b'8' | b'a'..=b'y' | b'A'..=b'Y' => bytes[at] + 1,
+        b'9' => b'0',
+        b'z' => b'a',
+        _ => b'A',
+    };
+}
+
+/// Every file of a signed folder, changed by one character with the manifest resealed (so
+/// the manifest check alone cannot be what notices), is refused under the signing key; so is
+/// a file added to the folder and to the manifest.
+#[test]
+fn any_change_to_a_signed_folder_is_refused() {
+    let key = signing_key();
+    let (tmp, dest, _copy) = signed_and_copy(&key);
+    let public = public(&key);
+    let names: Vec<String> = files(&dest).into_keys().collect();
+    assert!(names.len() >= 10, "{names:?}");
+    for (i, name) in names.iter().enumerate() {
+        let dir = tmp.path().join(format!("changed-{i}"));
+        copy(&dest, &dir);
+        let path = dir.join(name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        change_one_character(&mut bytes);
+        std::fs::write(&path, bytes).unwrap();
+        if name != "manifest.json" {
+            reseal(&dir);
+        }
+        let checked = verify_with_key(&dir, Some(&public));
+        assert!(!checked.ok(), "a change to {name} went unnoticed");
+        if name != "manifest.json" {
+            assert!(
+                checked
+                    .problems
+                    .iter()
+                    .any(|p| !matches!(p, Problem::DigestMismatch(_) | Problem::Manifest(_))),
+                "{name}: only the manifest noticed: {:?}",
+                checked.problems
+            );
+        }
+    }
+
+    // A changed receipt signed again with another key is refused under the right one.
+    let dir = tmp.path().join("resigned");
+    copy(&dest, &dir);
+    let receipt_path = dir.join("receipt.json");
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&receipt_path).unwrap()).unwrap();
+    v["predicate"]["target"]["server_version"] = "9.9.9".into();
+    let mut changed = serde_json::to_vec_pretty(&v).unwrap();
+    changed.push(b'\n');
+    std::fs::write(&receipt_path, &changed).unwrap();
+    std::fs::write(
+        dir.join(ENVELOPE),
+        serde_json::to_vec_pretty(&signing_key().sign(&changed)).unwrap(),
+    )
+    .unwrap();
+    reseal(&dir);
+    let problems = verify_with_key(&dir, Some(&public)).problems;
+    assert!(
+        matches!(problems.as_slice(), [Problem::Signature(d)] if d.starts_with("no signature")),
+        "{problems:?}"
+    );
+
+    // A file added to the folder and to the manifest is not named by the signed receipt.
+    let dir = tmp.path().join("added");
+    copy(&dest, &dir);
+    std::fs::write(dir.join("notes.md"), "all good\n").unwrap();
+    reseal(&dir);
+    assert_eq!(
+        verify_with_key(&dir, Some(&public)).problems,
+        [Problem::Inconsistent(
+            "notes.md is in the folder but the receipt does not name it".into()
+        )]
+    );
+}
 
 /// Runs detect-secrets (PyPI, an independent scanner) over `dir` and returns its findings
 /// as `file:line type: line text`, or `None` when it cannot be installed. It is installed in
@@ -1431,6 +1771,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         subject: Subject::reference_binary(&binary).unwrap(),
         interrupted: false,
         not_run: vec![],
+        sign_key: None,
     };
     let tmp = tempfile::tempdir().unwrap();
     let dest = write_run_folder(

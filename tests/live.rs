@@ -199,7 +199,7 @@ async fn a_target_that_never_answers_ends_the_run() {
         "{error}"
     );
     assert_eq!(
-        sandspec::evidence::verify_cli(&out),
+        sandspec::evidence::verify_cli(&out, None),
         0,
         "the folder verifies"
     );
@@ -277,7 +277,7 @@ async fn a_stream_or_a_request_that_is_never_answered_fails_its_step() {
     assert_eq!(r["cleanup"]["swept"], json!([]));
     assert_eq!(r["cleanup"]["run_sweep"]["error"], Value::Null);
     assert_eq!(
-        sandspec::evidence::verify_cli(&out),
+        sandspec::evidence::verify_cli(&out, None),
         0,
         "the folder verifies"
     );
@@ -365,7 +365,7 @@ async fn a_target_that_ignores_list_filters_loses_nothing() {
         "{ignored:?}"
     );
     assert_eq!(
-        sandspec::evidence::verify_cli(&out),
+        sandspec::evidence::verify_cli(&out, None),
         0,
         "the folder verifies"
     );
@@ -466,7 +466,7 @@ async fn a_scenario_that_leaks_fails_at_its_leak_check_and_is_swept() {
         "a SHOULD scenario alone: no MUST ran"
     );
     assert_eq!(
-        sandspec::evidence::verify_cli(&out),
+        sandspec::evidence::verify_cli(&out, None),
         0,
         "the folder verifies"
     );

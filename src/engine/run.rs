@@ -55,6 +55,9 @@ const MAX_PAGES: usize = 50;
 #[derive(Debug, Clone, Serialize)]
 pub struct ScenarioRun {
     pub outcome: Outcome,
+    /// Milliseconds from the run's start to this scenario's start, set by the scheduler
+    /// (`cli::run_until_stopped`) so the evidence can draw the run as a timeline.
+    pub started_ms: u64,
     pub duration_ms: u64,
     /// Named measurements in seconds (time to first SSE frame, time to EOF, ...).
     pub measurements: BTreeMap<String, f64>,
@@ -98,6 +101,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     let started = Instant::now();
     let mut run = ScenarioRun {
         outcome: Outcome::Pass,
+        started_ms: 0,
         duration_ms: 0,
         measurements: BTreeMap::new(),
         swept: Vec::new(),

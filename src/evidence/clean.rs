@@ -104,6 +104,7 @@ impl<'a> Cleaner<'a> {
             tags: self.all(&s.tags),
             defects: self.all(&s.defects),
             outcome: self.outcome(&s.outcome),
+            started_ms: s.started_ms,
             duration_ms: s.duration_ms,
             attempts: s.attempts,
             measurements: s

@@ -1,15 +1,18 @@
-//! Evidence: the receipt model, the one sanitizer, the run-folder writer and its verifier.
+//! Evidence: the receipt model, the one sanitizer, the run-folder writer (with its HTML
+//! report and optional signature) and its verifier.
 //!
 //! **Architecture Invariant:** nothing writes evidence except [`write_run_folder`], and it
 //! renders every file in memory from a sanitized copy of the run, scans the result for any
 //! secret or the run's canary, and writes nothing at all if one survives.
 
 mod clean;
+mod html;
 mod normalize;
 mod placeholders;
 mod receipt;
 mod sanitize;
 mod schema;
+mod sign;
 mod summary;
 mod verify;
 mod writer;
@@ -27,5 +30,8 @@ pub use sanitize::{
     Leak, MIN_SECRET_LEN, REDACTED, Sanitizer, SecretError, for_tokens, new_canary,
 };
 pub use schema::{RECEIPT_SCHEMA, validate_receipt};
-pub use verify::{Problem, VerifyReport, verify, verify_cli};
+pub use sign::{
+    ENVELOPE, Envelope, EnvelopeSignature, KeyError, PAYLOAD_TYPE, SigningKey, VerifyingKey, pae,
+};
+pub use verify::{Problem, VerifyReport, verify, verify_cli, verify_with_key};
 pub use writer::{EvidenceError, WriteOptions, default_run_dir, sha256_hex, write_run_folder};

@@ -14,7 +14,13 @@ use serde_json::Value;
 use super::placeholders::Placeholders;
 
 /// Numeric fields that measure time or size, replaced by `"<ms>"`, `"<s>"` or `"<n>"`.
-const MS_FIELDS: &[&str] = &["duration_ms", "at_ms", "first_frame_ms", "eof_ms"];
+const MS_FIELDS: &[&str] = &[
+    "duration_ms",
+    "started_ms",
+    "at_ms",
+    "first_frame_ms",
+    "eof_ms",
+];
 
 /// Fields whose whole value is run- or machine-specific.
 const OPAQUE_FIELDS: &[(&str, &str)] = &[

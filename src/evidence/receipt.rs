@@ -141,6 +141,10 @@ pub struct Receipt {
     pub cleanup: Cleanup,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
+    /// `summary.md`, `junit.xml` and `report.html` with their SHA-256, so that a signature
+    /// over the receipt covers the views of it too. Filled in by the writer once they are
+    /// rendered (they are rendered from the receipt without this list).
+    pub documents: Vec<FileRef>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,6 +243,8 @@ pub struct ScenarioResult {
     pub reason: Option<String>,
     /// The step that failed, for `fail`.
     pub failed_step: Option<String>,
+    /// Milliseconds from the run's start (`started_at`) to the scenario's start.
+    pub started_ms: u64,
     pub duration_ms: u64,
     pub attempts: u32,
     /// Named measurements in seconds.
@@ -640,6 +646,7 @@ impl Statement {
                 cleanup,
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
+                documents: Vec::new(),
             },
         }
     }
@@ -658,6 +665,7 @@ fn scenario_result(s: &ScenarioReport, transcript: Option<FileRef>) -> ScenarioR
             Outcome::Fail { step, .. } => Some(step.clone()),
             _ => None,
         },
+        started_ms: s.started_ms,
         duration_ms: s.duration_ms,
         attempts: s.attempts,
         measurements: s

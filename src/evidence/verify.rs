@@ -1,14 +1,16 @@
-//! `sandspec evidence verify <dir>`: what a reviewer runs on a run folder.
+//! `sandspec evidence verify <dir> [--key PUBFILE]`: what a reviewer runs on a run folder.
 //!
 //! It proves: every file the manifest lists is there with the listed SHA-256 and nothing else
-//! is; the receipt satisfies the published schema and agrees with itself (counts, transcript
-//! digests, every profile verdict judged again from the scenario outcomes with the run's own
-//! rules, the selection's scope, the clause coverage); no file holds a credential shape
-//! (bearer and basic credentials, API-key shapes, JWTs, private keys, passwords in URLs,
-//! unredacted credential headers, parameters and fields). It cannot prove the run happened as
-//! written (the manifest is not signed), nor the catalog size a receipt states, and it cannot
-//! find run-time secrets that have no recognisable shape, because their values are not known
-//! after the run.
+//! is; the receipt satisfies the published schema and agrees with itself and the folder
+//! (counts, the digests of the transcripts and views it names, no file it does not name, every
+//! profile verdict judged again from the scenario outcomes with the run's own rules, the
+//! selection's scope, the clause coverage); no file holds a credential shape (bearer and basic
+//! credentials, API-key shapes, JWTs, private keys, passwords in URLs, unredacted credential
+//! headers, parameters and fields). With a key, also that `receipt.dsse.json` holds that key's
+//! signature over `receipt.json`, which makes the whole folder the key holder's. Without one it
+//! cannot prove who wrote the folder; it cannot prove the catalog size a receipt states, and it
+//! cannot find run-time secrets that have no recognisable shape, because their values are not
+//! known after the run.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -17,7 +19,8 @@ use std::path::{Path, PathBuf};
 use super::receipt::{Coverage, OutcomeLabel, Receipt, Statement, suite_commit};
 use super::sanitize::Sanitizer;
 use super::schema::validate_receipt;
-use super::writer::{MANIFEST, Manifest, RECEIPT, sha256_hex};
+use super::sign::{ENVELOPE, Envelope, VerifyingKey, envelope_problems};
+use super::writer::{MANIFEST, Manifest, RECEIPT, scanned_leaks, sha256_hex};
 use crate::report::{ALL, Judged, RunFacts, judge};
 use crate::scenario::Level;
 
@@ -38,6 +41,8 @@ pub enum Problem {
     Schema(String),
     /// The receipt contradicts itself or the folder.
     Inconsistent(String),
+    /// The envelope is malformed, or (with a key) missing or not signed by it.
+    Signature(String),
     /// A credential shape in a file (the value is never shown).
     Secret {
         file: String,
@@ -60,6 +65,7 @@ impl fmt::Display for Problem {
             }
             Problem::Schema(d) => write!(f, "receipt schema: {d}"),
             Problem::Inconsistent(d) => write!(f, "receipt inconsistent: {d}"),
+            Problem::Signature(d) => write!(f, "signature: {d}"),
             Problem::Secret { file, line, what } => {
                 write!(f, "secret: {file}:{line} holds a {what}")
             }
@@ -72,6 +78,10 @@ impl fmt::Display for Problem {
 pub struct VerifyReport {
     pub dir: PathBuf,
     pub files_checked: usize,
+    /// The folder holds a signed receipt (`receipt.dsse.json`).
+    pub signed: bool,
+    /// The key whose signature was checked and held, by key ID.
+    pub signature_by: Option<String>,
     pub problems: Vec<Problem>,
 }
 
@@ -83,6 +93,11 @@ impl VerifyReport {
 
 /// Checks a run folder. Every check runs, so one report lists every problem.
 pub fn verify(dir: &Path) -> VerifyReport {
+    verify_with_key(dir, None)
+}
+
+/// [`verify`], and with `key` also that the receipt is signed by it.
+pub fn verify_with_key(dir: &Path, key: Option<&VerifyingKey>) -> VerifyReport {
     let mut problems = Vec::new();
     let mut present = BTreeMap::new();
     if let Err(e) = collect(dir, dir, &mut present) {
@@ -148,22 +163,58 @@ pub fn verify(dir: &Path) -> VerifyReport {
         },
     }
 
+    // The envelope: its form whenever it is there; the signature when a key is given.
+    let signed = present.contains_key(ENVELOPE);
+    let mut signature_by = None;
+    match (present.get(ENVELOPE), key) {
+        (None, None) => {}
+        (None, Some(_)) => problems.push(Problem::Signature(format!(
+            "the receipt is not signed ({ENVELOPE} is missing)"
+        ))),
+        (Some(bytes), key) => match serde_json::from_slice::<Envelope>(bytes) {
+            Err(e) => problems.push(Problem::Signature(format!(
+                "{ENVELOPE} is not a DSSE envelope ({})",
+                json_error(&e)
+            ))),
+            Ok(envelope) => {
+                let receipt = present.get(RECEIPT).map(Vec::as_slice).unwrap_or_default();
+                let form = envelope_problems(&envelope, receipt);
+                problems.extend(
+                    form.iter()
+                        .map(|p| Problem::Signature(format!("{ENVELOPE}: {p}"))),
+                );
+                if let Some(key) = key {
+                    if key.verifies(&envelope) {
+                        if form.is_empty() {
+                            signature_by = Some(key.keyid().to_owned());
+                        }
+                    } else {
+                        problems.push(Problem::Signature(format!(
+                            "no signature in {ENVELOPE} verifies with key {}",
+                            key.keyid()
+                        )));
+                    }
+                }
+            }
+        },
+    }
+
     // Secret shapes in every file, the manifest included.
     let scanner = Sanitizer::new();
     for (name, bytes) in &present {
-        let text = String::from_utf8_lossy(bytes);
-        for leak in scanner.leaks(&text) {
-            let line = text[..leak.offset.min(text.len())].matches('\n').count() + 1;
+        for (line, what) in scanned_leaks(&scanner, name, bytes) {
             problems.push(Problem::Secret {
                 file: name.clone(),
                 line,
-                what: leak.what,
+                what,
             });
         }
     }
     VerifyReport {
         dir: dir.to_path_buf(),
         files_checked,
+        signed,
+        signature_by,
         problems,
     }
 }
@@ -192,6 +243,29 @@ fn consistency(statement: &Statement, present: &BTreeMap<String, Vec<u8>>) -> Ve
     }
     out.extend(verdicts_follow(r));
     out.extend(coverage_follows(statement));
+    // Every file is one the receipt accounts for: itself, its envelope, the manifest, and the
+    // transcripts and views it names with their digests.
+    let mut named: BTreeSet<&str> = [RECEIPT, ENVELOPE, MANIFEST].into_iter().collect();
+    for d in &r.documents {
+        named.insert(d.path.as_str());
+        match present.get(&d.path) {
+            None => out.push(Problem::Inconsistent(format!("{} is missing", d.path))),
+            Some(bytes) if sha256_hex(bytes) != d.sha256 => out.push(Problem::Inconsistent(
+                format!("{} differs from the receipt's digest", d.path),
+            )),
+            Some(_) => {}
+        }
+    }
+    named.extend(
+        r.scenarios
+            .iter()
+            .filter_map(|s| s.transcript.as_ref().map(|t| t.path.as_str())),
+    );
+    for path in present.keys().filter(|p| !named.contains(p.as_str())) {
+        out.push(Problem::Inconsistent(format!(
+            "{path} is in the folder but the receipt does not name it"
+        )));
+    }
     for s in &r.scenarios {
         if r.not_run.contains(&s.id) {
             out.push(Problem::Inconsistent(format!(
@@ -436,17 +510,29 @@ fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) -> std:
     Ok(())
 }
 
-/// `sandspec evidence verify <dir>`: prints the result; returns the exit code (0 verified,
-/// 1 not verified, 2 not a directory).
-pub fn verify_cli(dir: &Path) -> i32 {
+/// `sandspec evidence verify <dir> [--key PUBFILE]`: prints the result; returns the exit code
+/// (0 verified, 1 not verified, 2 not a directory or an unusable key file).
+pub fn verify_cli(dir: &Path, key: Option<&Path>) -> i32 {
     if !dir.is_dir() {
         eprintln!("error: {} is not a directory", dir.display());
         return 2;
     }
-    let report = verify(dir);
+    let key = match key.map(VerifyingKey::from_file).transpose() {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let report = verify_with_key(dir, key.as_ref());
     if report.ok() {
+        let signature = match (&report.signature_by, report.signed) {
+            (Some(id), _) => format!(", signature by key {id}"),
+            (None, true) => "; signed, but the signature was not checked: give --key".to_owned(),
+            (None, false) => "; not signed".to_owned(),
+        };
         println!(
-            "verified: {} ({} files; manifest digests, receipt schema, verdicts, secret scan)",
+            "verified: {} ({} files; manifest digests, receipt schema, verdicts, secret scan{signature})",
             dir.display(),
             report.files_checked
         );

@@ -1,8 +1,10 @@
-//! Writes a run folder: `receipt.json`, `summary.md`, `junit.xml`, one transcript per
-//! scenario and `manifest.json`.
+//! Writes a run folder: `receipt.json`, `summary.md`, `junit.xml`, `report.html`, one
+//! transcript per scenario, `manifest.json`, and with a signing key `receipt.dsse.json`.
 //!
 //! Order of work, and why: (1) a sanitized deep copy of the report; (2) every file rendered in
-//! memory from that copy; (3) every rendered file scanned for leftovers, with the run's
+//! memory from that copy (the views, `summary.md` and `report.html`, from the receipt and the
+//! transcripts alone; the receipt then records the views' digests, and is signed last);
+//! (3) every rendered file scanned for leftovers, with the run's
 //! canary added to the secrets looked for; (4) only then, files written to a temporary
 //! directory next to the destination, checked there with [`super::verify`] as a reviewer
 //! would check them, and renamed into place. A leftover at step 3 stops
@@ -19,11 +21,15 @@ use super::clean::Cleaner;
 use super::receipt::{Environment, FileRef, ReceiptInput, SanitizerInfo, Statement, Subject};
 use super::sanitize::{Sanitizer, SecretError};
 use super::schema::validate_receipt;
+use super::sign::{ENVELOPE, SigningKey};
 use crate::report::{RunReport, junit_xml};
 
 /// The manifest's own name; it lists every other file.
 pub(crate) const MANIFEST: &str = "manifest.json";
 pub(crate) const RECEIPT: &str = "receipt.json";
+pub(crate) const SUMMARY: &str = "summary.md";
+pub(crate) const JUNIT: &str = "junit.xml";
+pub(crate) const REPORT: &str = "report.html";
 
 /// What the writer needs besides the report and the sanitizer.
 #[derive(Debug, Clone)]
@@ -37,6 +43,8 @@ pub struct WriteOptions {
     pub interrupted: bool,
     /// IDs of the selected scenarios that never ran.
     pub not_run: Vec<String>,
+    /// Sign the receipt with this key (`receipt.dsse.json`).
+    pub sign_key: Option<SigningKey>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +75,8 @@ pub enum EvidenceError {
     },
     #[error("serialize evidence")]
     Json(#[from] serde_json::Error),
+    #[error("write evidence: report.html")]
+    Report(#[from] super::html::HtmlError),
 }
 
 /// `manifest.json`.
@@ -166,17 +176,42 @@ pub(crate) fn render(
         },
         transcripts: &refs,
     };
-    let statement = Statement::build(&clean, &input);
+    let mut statement = Statement::build(&clean, &input);
+    // The views are rendered from the receipt (and the transcripts) before it names them.
+    let views = [
+        (SUMMARY, super::summary::render(&statement).into_bytes()),
+        (JUNIT, junit_xml(&clean).into_bytes()),
+        (
+            REPORT,
+            super::html::render(&statement, &files)?.into_bytes(),
+        ),
+    ];
+    statement.predicate.documents = views
+        .iter()
+        .map(|(path, bytes)| FileRef {
+            path: (*path).to_owned(),
+            sha256: sha256_hex(bytes),
+        })
+        .collect();
+    files.extend(views.map(|(path, bytes)| (path.to_owned(), bytes)));
     let receipt = serde_json::to_value(&statement)?;
     validate_receipt(&receipt).map_err(EvidenceError::Schema)?;
-    files.insert(RECEIPT.to_owned(), pretty(&receipt)?);
-    files.insert(
-        "summary.md".to_owned(),
-        super::summary::render(&statement).into_bytes(),
-    );
-    files.insert("junit.xml".to_owned(), junit_xml(&clean).into_bytes());
+    let receipt = pretty(&receipt)?;
+    if let Some(key) = &options.sign_key {
+        files.insert(ENVELOPE.to_owned(), pretty(&key.sign(&receipt))?);
+    }
+    files.insert(RECEIPT.to_owned(), receipt);
 
-    for (name, bytes) in &files {
+    // Transcripts first, then the receipt, then its views: a leak is named where it arose.
+    let mut order: Vec<(&String, &Vec<u8>)> = files.iter().collect();
+    order.sort_by_key(|(name, _)| {
+        (
+            !name.starts_with("transcripts/"),
+            name.as_str() != RECEIPT,
+            name.as_str(),
+        )
+    });
+    for (name, bytes) in order {
         scan(&scanner, name, bytes)?;
     }
     let manifest = Manifest {
@@ -195,17 +230,42 @@ pub(crate) fn render(
 
 /// Fails on the first leftover in `bytes`, naming the file, the line and the kind.
 fn scan(scanner: &Sanitizer, name: &str, bytes: &[u8]) -> Result<(), EvidenceError> {
-    let text = String::from_utf8_lossy(bytes);
-    match scanner.leaks(&text).first() {
+    match scanned_leaks(scanner, name, bytes).into_iter().next() {
         None => Ok(()),
-        Some(leak) => {
-            let line = text[..leak.offset.min(text.len())].matches('\n').count() + 1;
-            Err(EvidenceError::Leak {
-                file: format!("{name}:{line}"),
-                what: leak.what.clone(),
-            })
-        }
+        Some((line, what)) => Err(EvidenceError::Leak {
+            file: format!("{name}:{line}"),
+            what,
+        }),
     }
+}
+
+/// Every leftover in one file of a folder as (line, kind). HTML is scanned as written and as
+/// read, with its escapes undone. The envelope is not scanned: its payload is `receipt.json`,
+/// scanned itself, and its signature field is not a credential (`verify` checks its form).
+pub(crate) fn scanned_leaks(scanner: &Sanitizer, name: &str, bytes: &[u8]) -> Vec<(usize, String)> {
+    if name == ENVELOPE {
+        return Vec::new();
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
+    let mut found: Vec<(usize, String)> = scanner
+        .leaks(&text)
+        .into_iter()
+        .map(|l| (line_of(l.offset), l.what))
+        .collect();
+    if name.ends_with(".html") {
+        // Undoing escapes keeps every line break where it was, so line numbers still hold.
+        let read = super::html::unescape(&text);
+        let line_of = |offset: usize| read[..offset.min(read.len())].matches('\n').count() + 1;
+        for l in scanner.leaks(&read) {
+            let hit = (line_of(l.offset), l.what);
+            if !found.contains(&hit) {
+                found.push(hit);
+            }
+        }
+        found.sort();
+    }
+    found
 }
 
 /// `transcripts/<ID>.json`, with characters a file name should not hold replaced and
@@ -317,6 +377,7 @@ mod tests {
             tags: vec![],
             defects: vec![],
             outcome: Outcome::Pass,
+            started_ms: 0,
             duration_ms: 1,
             attempts: 1,
             measurements: BTreeMap::new(),
@@ -373,6 +434,7 @@ mod tests {
             subject: Subject::url_target(&report_with_body("").target),
             interrupted: false,
             not_run: vec![],
+            sign_key: None,
         }
     }
 
@@ -426,6 +488,7 @@ mod tests {
             [
                 "junit.xml",
                 "receipt.json",
+                "report.html",
                 "summary.md",
                 "transcripts/SBX-LIFE-001.json"
             ]
