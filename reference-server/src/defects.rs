@@ -114,6 +114,14 @@ pub enum Defect {
     UploadToDeletingAccepted,
     /// `GET /v1/sessions?state=` ignores the filter and lists every session.
     SessionListIgnoresState,
+    /// The host's whole filesystem is mounted read-only at `/host` inside every sandbox.
+    SandboxSeesHostFiles,
+    /// Sandboxes share the host's `/tmp`, writable, instead of a private one each.
+    SandboxSharesHostTmp,
+    /// Sandboxes have no PID namespace: the host's processes are listed in their `/proc`.
+    SandboxSeesHostProcesses,
+    /// Sandbox processes are not moved into the memory cgroup whose limit is read back.
+    SandboxMemoryUnenforced,
 }
 
 impl Defect {
@@ -167,6 +175,10 @@ impl Defect {
         Defect::WorkerExitCompletesTurn,
         Defect::UploadToDeletingAccepted,
         Defect::SessionListIgnoresState,
+        Defect::SandboxSeesHostFiles,
+        Defect::SandboxSharesHostTmp,
+        Defect::SandboxSeesHostProcesses,
+        Defect::SandboxMemoryUnenforced,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -220,6 +232,10 @@ impl Defect {
             Defect::WorkerExitCompletesTurn => "worker-exit-completes-turn",
             Defect::UploadToDeletingAccepted => "upload-to-deleting-accepted",
             Defect::SessionListIgnoresState => "session-list-ignores-state",
+            Defect::SandboxSeesHostFiles => "sandbox-sees-host-files",
+            Defect::SandboxSharesHostTmp => "sandbox-shares-host-tmp",
+            Defect::SandboxSeesHostProcesses => "sandbox-sees-host-processes",
+            Defect::SandboxMemoryUnenforced => "sandbox-memory-unenforced",
         }
     }
 
@@ -296,6 +312,10 @@ impl Defect {
                 "an upload to a deleting session is not refused as such"
             }
             Defect::SessionListIgnoresState => "the session list ignores its state filter",
+            Defect::SandboxSeesHostFiles => "the host's files are visible inside sandboxes",
+            Defect::SandboxSharesHostTmp => "sandboxes share the host's /tmp",
+            Defect::SandboxSeesHostProcesses => "sandboxes see the host's processes",
+            Defect::SandboxMemoryUnenforced => "sandbox processes escape the memory limit",
         }
     }
 }

@@ -34,7 +34,9 @@ pub const LIMIT_KEYS: &[&str] = &[
 pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s", "idempotency_s"];
 
 /// Capabilities a scenario may require. Features come from `capabilities.features`;
-/// `two_providers` means at least two providers are advertised (for `{{provider.other}}`).
+/// `two_providers` means at least two providers are advertised (for `{{provider.other}}`);
+/// `isolation` means `capabilities.isolation.namespaces` holds user, mount, pid and network;
+/// `memory_limit` means `capabilities.isolation.enforced` holds `memory`.
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
@@ -43,6 +45,8 @@ pub const CAPABILITIES: &[&str] = &[
     "sessions",
     "two_providers",
     "peer",
+    "isolation",
+    "memory_limit",
 ];
 
 /// Longest `sleep` a scenario may ask for.
