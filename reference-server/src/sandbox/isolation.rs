@@ -166,6 +166,8 @@ impl Namespacer {
             args.push(OsString::from("/tmp"));
             args.push(OsString::from("/tmp"));
         } else {
+            args.push(OsString::from("--perms"));
+            args.push(OsString::from("1777"));
             args.push(OsString::from("--tmpfs"));
             args.push(OsString::from("/tmp"));
         }
@@ -258,15 +260,17 @@ impl Holder {
                     "bubblewrap exited with {status} before the sandbox was ready"
                 )));
             }
-            // bwrap -> its PID 1 -> the shell (first in `unshare`, which then execs it).
-            let found = first_child(bwrap).and_then(|init| Some((init, first_child(init)?)));
-            if let Some((init, target)) = found {
-                let userns = std::fs::read_link(format!("/proc/{target}/ns/user"));
-                if userns.is_ok_and(|ns| ns != own_userns) {
-                    self.init = init;
-                    self.view.target = target;
-                    break;
-                }
+            // bwrap -> its PID 1 -> the shell (first in `unshare`, which then execs it);
+            // without a PID namespace bwrap runs the shell itself.
+            let init = first_child(bwrap);
+            let candidates = [init, init.and_then(first_child)];
+            let target = candidates.into_iter().flatten().find(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/ns/user")).is_ok_and(|ns| ns != own_userns)
+            });
+            if let (Some(init), Some(target)) = (init, target) {
+                self.init = init;
+                self.view.target = target;
+                break;
             }
             if std::time::Instant::now() > deadline {
                 return Err(io::Error::other("the sandbox's namespaces did not come up"));
