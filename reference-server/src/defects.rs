@@ -114,6 +114,19 @@ pub enum Defect {
     UploadToDeletingAccepted,
     /// `GET /v1/sessions?state=` ignores the filter and lists every session.
     SessionListIgnoresState,
+    // The E2B surface (crate::e2b).
+    /// E2B control plane: another team's sandbox is answered 403 instead of 404.
+    E2bForeignSandbox403,
+    /// E2B `POST /sandboxes/{id}/timeout` only ever extends the sandbox's end, never shortens it.
+    E2bTimeoutOnlyExtends,
+    /// E2B connect to a paused sandbox answers 201 but leaves it paused.
+    E2bConnectDoesNotResume,
+    /// envd `Connect` to a process that has already ended ends the stream without its `end`.
+    E2bLateConnectLosesExit,
+    /// envd `POST /files` takes uploads as text: bytes that are not UTF-8 are altered.
+    E2bFileBytesAltered,
+    /// envd does not check `X-Access-Token` on secure sandboxes.
+    E2bAccessTokenUnchecked,
 }
 
 impl Defect {
@@ -167,6 +180,12 @@ impl Defect {
         Defect::WorkerExitCompletesTurn,
         Defect::UploadToDeletingAccepted,
         Defect::SessionListIgnoresState,
+        Defect::E2bForeignSandbox403,
+        Defect::E2bTimeoutOnlyExtends,
+        Defect::E2bConnectDoesNotResume,
+        Defect::E2bLateConnectLosesExit,
+        Defect::E2bFileBytesAltered,
+        Defect::E2bAccessTokenUnchecked,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -220,6 +239,12 @@ impl Defect {
             Defect::WorkerExitCompletesTurn => "worker-exit-completes-turn",
             Defect::UploadToDeletingAccepted => "upload-to-deleting-accepted",
             Defect::SessionListIgnoresState => "session-list-ignores-state",
+            Defect::E2bForeignSandbox403 => "e2b-foreign-sandbox-403",
+            Defect::E2bTimeoutOnlyExtends => "e2b-timeout-only-extends",
+            Defect::E2bConnectDoesNotResume => "e2b-connect-does-not-resume",
+            Defect::E2bLateConnectLosesExit => "e2b-late-connect-loses-exit",
+            Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
+            Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
         }
     }
 
@@ -296,6 +321,16 @@ impl Defect {
                 "an upload to a deleting session is not refused as such"
             }
             Defect::SessionListIgnoresState => "the session list ignores its state filter",
+            Defect::E2bForeignSandbox403 => "E2B: another team's sandbox is answered 403, not 404",
+            Defect::E2bTimeoutOnlyExtends => "E2B: a timeout call can extend but never shorten",
+            Defect::E2bConnectDoesNotResume => {
+                "E2B: connect to a paused sandbox does not resume it"
+            }
+            Defect::E2bLateConnectLosesExit => {
+                "E2B: connecting to an ended process never delivers its end event"
+            }
+            Defect::E2bFileBytesAltered => "E2B: uploaded bytes that are not UTF-8 are altered",
+            Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
         }
     }
 }

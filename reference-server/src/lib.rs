@@ -15,6 +15,7 @@
 //! - [`gateway`]: the Agents Sessions gateway: sessions, queues, leases, the private bridge
 //!   and the worker that runs turns inside each session's sandbox.
 //! - [`model_fixture`]: an OpenAI-compatible model server replaying scripted responses.
+//! - [`e2b`]: the E2B protocol (control plane and envd) over the same sandboxes.
 //! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
 //! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
 //! - [`cli`]: the `sandspec serve` command line.
@@ -26,6 +27,7 @@ pub mod cli;
 pub mod config;
 pub mod defects;
 pub mod domain;
+pub mod e2b;
 pub mod gateway;
 pub mod model_fixture;
 pub mod sandbox;

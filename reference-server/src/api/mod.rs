@@ -3,20 +3,20 @@
 //! Architecture invariant: only this module knows status codes and JSON wire shapes, and
 //! every store lookup made for a client passes the client's principal as the owner.
 
-mod error;
+pub(crate) mod error;
 pub(crate) mod extract;
 mod files;
 pub(crate) mod idempotency;
-mod lookup;
+pub(crate) mod lookup;
 mod meta;
 pub(crate) mod pagination;
 mod previews;
 mod processes;
 mod request_id;
 mod routes;
-mod sandboxes;
+pub(crate) mod sandboxes;
 mod snapshots;
-mod state;
+pub(crate) mod state;
 
 pub use error::{ApiError, Problem};
 pub use request_id::RequestId;

@@ -67,6 +67,7 @@ pub fn router(state: AppState) -> Router {
         .route("/previews/{id}/", any(previews::proxy_root))
         .route("/previews/{id}/{*rest}", any(previews::proxy))
         .merge(crate::gateway::routes(&state))
+        .merge(crate::e2b::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

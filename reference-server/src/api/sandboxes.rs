@@ -84,10 +84,11 @@ fn view(rec: &Record) -> Result<Value, ApiError> {
 
 /// Writes `sandbox` into the record body, keeping the extra stored fields, and sets the
 /// indexed state and due time.
-fn store_into(rec: &mut Record, sandbox: &Sandbox) -> Result<(), ApiError> {
+pub(crate) fn store_into(rec: &mut Record, sandbox: &Sandbox) -> Result<(), ApiError> {
     let mut body = serde_json::to_value(sandbox).map_err(ApiError::internal)?;
     if let (Value::Object(new), Value::Object(old)) = (&mut body, &rec.body) {
-        for key in ["env", "timeout_s"] {
+        // `e2b`: what the E2B surface keeps about a sandbox it created (crate::e2b).
+        for key in ["env", "timeout_s", "e2b"] {
             if let Some(v) = old.get(key) {
                 new.insert(key.into(), v.clone());
             }
@@ -139,11 +140,11 @@ fn timeout_of(rec: &Record, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-fn secs(s: u64) -> Duration {
+pub(crate) fn secs(s: u64) -> Duration {
     Duration::seconds(i64::try_from(s).unwrap_or(i64::MAX / 4))
 }
 
-fn validate_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiError> {
+pub(crate) fn validate_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiError> {
     if metadata.len() > MAX_METADATA_KEYS {
         return Err(ApiError::invalid(
             "metadata",
@@ -170,7 +171,7 @@ fn validate_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiError
     Ok(())
 }
 
-fn validate_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+pub(crate) fn validate_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(ApiError::invalid(

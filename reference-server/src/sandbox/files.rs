@@ -18,6 +18,19 @@ pub struct FileEntry {
     pub size: u64,
 }
 
+/// One entry's metadata, for stat-like answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStat {
+    /// `file`, `dir` or `symlink`.
+    pub kind: &'static str,
+    pub size: u64,
+    /// The st_mode bits (type and permissions).
+    pub mode: u32,
+    pub modified: Option<std::time::SystemTime>,
+    /// Where a symlink points, as stored in it.
+    pub symlink_target: Option<String>,
+}
+
 /// The result of a write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteOutcome {
@@ -174,6 +187,109 @@ impl SandboxFiles {
                 std::fs::remove_dir_all(root.join(&rel)).map_err(map_io)
             }
             (Access::Joined(root), false) => std::fs::remove_file(root.join(&rel)).map_err(map_io),
+        }
+    }
+
+    /// What one entry is (the entry itself: a symlink is not followed in the last component).
+    pub fn stat(&self, path: &str) -> Result<EntryStat, FileError> {
+        let rel = normalize(path)?;
+        let stat_of = |m: &std::fs::Metadata| -> EntryStat {
+            use std::os::unix::fs::MetadataExt as _;
+            EntryStat {
+                kind: if m.file_type().is_symlink() {
+                    "symlink"
+                } else if m.is_dir() {
+                    "dir"
+                } else {
+                    "file"
+                },
+                size: m.len(),
+                mode: m.mode(),
+                modified: m.modified().ok(),
+                symlink_target: None,
+            }
+        };
+        match &self.access {
+            Access::Confined(dir) => {
+                let target = if rel.is_empty() { "." } else { rel.as_str() };
+                let file = dir.symlink_metadata(target).map_err(map_io)?;
+                let mut stat = EntryStat {
+                    kind: if file.file_type().is_symlink() {
+                        "symlink"
+                    } else if file.is_dir() {
+                        "dir"
+                    } else {
+                        "file"
+                    },
+                    size: file.len(),
+                    mode: cap_std::fs::PermissionsExt::mode(&file.permissions()),
+                    modified: file.modified().ok().map(|t| t.into_std()),
+                    symlink_target: None,
+                };
+                if stat.kind == "symlink" {
+                    stat.symlink_target = dir
+                        .read_link_contents(target)
+                        .ok()
+                        .map(|p| p.to_string_lossy().into_owned());
+                }
+                Ok(stat)
+            }
+            Access::Joined(root) => {
+                let full = root.join(&rel);
+                let mut stat = stat_of(&std::fs::symlink_metadata(&full).map_err(map_io)?);
+                if stat.kind == "symlink" {
+                    stat.symlink_target = std::fs::read_link(&full)
+                        .ok()
+                        .map(|p| p.to_string_lossy().into_owned());
+                }
+                Ok(stat)
+            }
+        }
+    }
+
+    /// Creates a directory and its missing parents. False when it already existed.
+    pub fn make_dir(&self, path: &str) -> Result<bool, FileError> {
+        let rel = normalize(path)?;
+        if rel.is_empty() {
+            return Ok(false);
+        }
+        match self.metadata(&rel) {
+            Ok(meta) if meta.is_dir => return Ok(false),
+            Ok(_) => return Err(FileError::WrongKind),
+            Err(FileError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+        match &self.access {
+            Access::Confined(dir) => dir.create_dir_all(&rel).map_err(map_io)?,
+            Access::Joined(root) => std::fs::create_dir_all(root.join(&rel)).map_err(map_io)?,
+        }
+        Ok(true)
+    }
+
+    /// Moves an entry, creating the destination's missing parents; an existing destination
+    /// file is replaced, as rename(2) does.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), FileError> {
+        let (from, to) = (normalize(from)?, normalize(to)?);
+        if from.is_empty() || to.is_empty() {
+            return Err(FileError::InvalidPath);
+        }
+        self.symlink_metadata(&from)?;
+        let parent = Path::new(&to)
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty());
+        match &self.access {
+            Access::Confined(dir) => {
+                if let Some(parent) = parent {
+                    dir.create_dir_all(parent).map_err(map_io)?;
+                }
+                dir.rename(&from, dir, &to).map_err(map_io)
+            }
+            Access::Joined(root) => {
+                if let Some(parent) = parent {
+                    std::fs::create_dir_all(root.join(parent)).map_err(map_io)?;
+                }
+                std::fs::rename(root.join(&from), root.join(&to)).map_err(map_io)
+            }
         }
     }
 

@@ -10,7 +10,7 @@ mod files;
 mod local;
 mod process;
 
-pub use files::{FileEntry, FileError, SandboxFiles, WriteOutcome};
+pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
 pub use local::{Isolation, LocalProvider};
 
 use std::collections::BTreeMap;

@@ -1,0 +1,445 @@
+//! envd on this server's base URL: which sandbox a request is for (the `E2b-Sandbox-Id` and
+//! `E2b-Sandbox-Port` headers the SDK sends when `E2B_SANDBOX_URL` is set, or E2B's host form
+//! `49983-<id>.<domain>`), the access token of secure sandboxes, and envd's plain HTTP
+//! endpoints: `GET /health`, `GET /envs`, `GET` and `POST /files`.
+//!
+//! Paths: the sandbox's root directory is the E2B user's home, `/home/user`. Absolute paths
+//! must lie below it; relative paths are relative to it, as envd resolves them against the
+//! user's home. Commands run on the host, so inside a command the root has its host path.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::api::AppState;
+use crate::api::extract::{QueryPairs, read_body};
+use crate::api::lookup::split;
+use crate::api::sandboxes::{env_of, sandbox_of};
+use crate::defects::Defect;
+use crate::domain::SandboxState;
+use crate::sandbox::{FileError, LocalProvider, SandboxFiles};
+use crate::store::{Kind, Record, Scope};
+
+use super::connect::ConnectError;
+use super::control::e2b_state;
+use super::ids;
+
+/// The port envd listens on inside an E2B sandbox; the only port served here.
+pub const ENVD_PORT: u16 = 49983;
+/// The home directory of the E2B user, which is the sandbox's root directory here.
+pub const HOME: &str = "/home/user";
+
+/// A plain (non-Connect) error of the envd surface: `{code, message}` with the HTTP status
+/// as the code, as envd and E2B's proxy answer.
+#[derive(Debug)]
+pub struct EnvdError {
+    pub status: StatusCode,
+    pub message: String,
+    /// Set for the proxy's own answers, which name the sandbox.
+    pub sandbox_id: Option<String>,
+}
+
+impl EnvdError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            sandbox_id: None,
+        }
+    }
+}
+
+impl IntoResponse for EnvdError {
+    fn into_response(self) -> Response {
+        let mut body = json!({"code": self.status.as_u16(), "message": self.message});
+        if let Some(id) = self.sandbox_id {
+            body["sandboxId"] = json!(id);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<FileError> for EnvdError {
+    fn from(e: FileError) -> Self {
+        match e {
+            FileError::NotFound => EnvdError::new(StatusCode::NOT_FOUND, "path not found"),
+            FileError::InvalidPath => EnvdError::new(
+                StatusCode::BAD_REQUEST,
+                format!("the path is outside the sandbox's filesystem ({HOME})"),
+            ),
+            FileError::WrongKind => {
+                EnvdError::new(StatusCode::BAD_REQUEST, "the path names a directory")
+            }
+            FileError::Io(e) => {
+                tracing::error!(error = %e, "envd file I/O failed");
+                EnvdError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error")
+            }
+        }
+    }
+}
+
+impl From<ConnectError> for EnvdError {
+    fn from(e: ConnectError) -> Self {
+        EnvdError::new(e.code.status(), e.message)
+    }
+}
+
+/// The running sandbox an envd request is for.
+pub struct EnvdSandbox {
+    pub rec: Record,
+    pub provider: Arc<LocalProvider>,
+    pub local: String,
+}
+
+impl EnvdSandbox {
+    pub fn files(&self) -> Result<SandboxFiles, ConnectError> {
+        Ok(self.provider.files(&self.local)?)
+    }
+
+    pub fn env(&self) -> BTreeMap<String, String> {
+        env_of(&self.rec)
+    }
+}
+
+/// The sandbox ID and port a request is routed by: the headers first, else the host form.
+fn route_of(headers: &HeaderMap) -> Option<(String, Option<String>)> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|s| s.trim().to_owned())
+    };
+    if let Some(id) = header("e2b-sandbox-id") {
+        return Some((id, header("e2b-sandbox-port")));
+    }
+    let host = header("host")?;
+    let label = host.split('.').next()?;
+    let (port, id) = label.split_once('-')?;
+    if port.bytes().all(|b| b.is_ascii_digit()) && !id.is_empty() && host.contains('.') {
+        return Some((id.to_owned(), Some(port.to_owned())));
+    }
+    None
+}
+
+/// Resolves the sandbox of an envd request and checks its access token (unless
+/// `token_exempt`: envd's `/health`).
+pub async fn sandbox_for(
+    state: &AppState,
+    headers: &HeaderMap,
+    token_exempt: bool,
+) -> Result<EnvdSandbox, EnvdError> {
+    let Some((id, port)) = route_of(headers) else {
+        return Err(EnvdError::new(
+            StatusCode::NOT_FOUND,
+            "envd requests name their sandbox with E2b-Sandbox-Id and E2b-Sandbox-Port",
+        ));
+    };
+    let not_found = || EnvdError {
+        status: StatusCode::BAD_GATEWAY,
+        message: "The sandbox was not found".into(),
+        sandbox_id: Some(id.clone()),
+    };
+    match port.as_deref() {
+        Some(p) if p == ENVD_PORT.to_string() => {}
+        Some(_) => {
+            return Err(EnvdError {
+                status: StatusCode::BAD_GATEWAY,
+                message: format!(
+                    "The sandbox is running but port is not open (only envd's port {ENVD_PORT} is served)"
+                ),
+                sandbox_id: Some(id.clone()),
+            });
+        }
+        None => {
+            return Err(EnvdError::new(
+                StatusCode::BAD_REQUEST,
+                "E2b-Sandbox-Port is required with E2b-Sandbox-Id",
+            ));
+        }
+    }
+    let providers: Vec<String> = state
+        .config
+        .providers
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    let qualified = ids::from_e2b(&providers, &id).ok_or_else(not_found)?;
+    // The sandbox ID is the address, as it is behind E2B's proxy: no team is involved, and a
+    // secure sandbox is guarded by its access token.
+    let rec = state
+        .store
+        .get(Kind::Sandbox, Scope::System, &qualified)
+        .await
+        .map_err(|e| EnvdError::from(ConnectError::from(crate::api::ApiError::from(e))))?
+        .ok_or_else(not_found)?;
+    let sandbox = sandbox_of(&rec).map_err(|e| EnvdError::from(ConnectError::from(e)))?;
+    if sandbox.state != SandboxState::Running {
+        return Err(not_found());
+    }
+    let e2b = e2b_state(&rec);
+    if !token_exempt && e2b.secure && !state.config.defects.has(Defect::E2bAccessTokenUnchecked) {
+        let given = headers
+            .get("x-access-token")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let expected = e2b.access_token.as_deref().unwrap_or("");
+        if expected.is_empty() || !constant_time_eq(given.as_bytes(), expected.as_bytes()) {
+            return Err(EnvdError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid or missing access token (X-Access-Token)",
+            ));
+        }
+    }
+    let (provider, local) = split(&rec.id).map_err(|e| EnvdError::from(ConnectError::from(e)))?;
+    let provider = state
+        .providers
+        .get(provider)
+        .cloned()
+        .ok_or_else(not_found)?;
+    let local = local.to_owned();
+    Ok(EnvdSandbox {
+        rec,
+        provider,
+        local,
+    })
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// An E2B path as a path relative to the sandbox root (its home), before the root's own
+/// normalization refuses `..` above it.
+pub fn to_rel(path: &str) -> Result<String, FileError> {
+    if path.contains('\0') {
+        return Err(FileError::InvalidPath);
+    }
+    if let Some(rest) = path.strip_prefix('/') {
+        let home = &HOME[1..];
+        return match rest.strip_prefix(home) {
+            Some("") => Ok(String::new()),
+            Some(below) if below.starts_with('/') => Ok(below.trim_start_matches('/').to_owned()),
+            _ => Err(FileError::InvalidPath),
+        };
+    }
+    Ok(path.to_owned())
+}
+
+/// A root-relative path as E2B's absolute path.
+pub fn to_e2b(rel: &str) -> String {
+    let rel = rel.trim_matches('/');
+    if rel.is_empty() {
+        HOME.to_owned()
+    } else {
+        format!("{HOME}/{rel}")
+    }
+}
+
+/// Runs blocking file I/O off the async workers.
+pub async fn blocking<T: Send + 'static, E: Send + 'static + From<ConnectError>>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| E::from(ConnectError::from(crate::api::ApiError::internal(e))))?
+}
+
+/// `GET /health`: 204 while the sandbox runs.
+pub async fn health(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    match sandbox_for(&state, &headers, true).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /envs`: the sandbox's environment variables.
+pub async fn envs(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    match sandbox_for(&state, &headers, false).await {
+        Ok(sbx) => Json(sbx.env()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /files?path=`: the file's bytes.
+pub async fn read_file(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    query: QueryPairs,
+) -> Result<Response, EnvdError> {
+    let sbx = sandbox_for(&state, &headers, false).await?;
+    let path = query
+        .get("path")
+        .ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?;
+    let rel = to_rel(path)?;
+    let files = sbx.files()?;
+    let bytes = blocking(move || Ok::<_, EnvdError>(files.read(&rel)?)).await?;
+    let mut response = Response::new(Body::from(bytes));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    Ok(response)
+}
+
+/// `POST /files?path=`: an `application/octet-stream` body is the file at `path`; a
+/// `multipart/form-data` body holds one or more `file` parts, each written to `path` (when
+/// there is one part and `path` is given) or to the part's file name. The answer lists what
+/// was written.
+pub async fn write_file(
+    State(state): State<AppState>,
+    query: QueryPairs,
+    request: Request,
+) -> Result<Response, EnvdError> {
+    let headers = request.headers().clone();
+    let sbx = sandbox_for(&state, &headers, false).await?;
+    let limit = state.config.limits.max_file_bytes;
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let mut writes: Vec<(String, Vec<u8>)> = Vec::new();
+    if content_type.starts_with("multipart/form-data") {
+        let mut multipart = axum::extract::Multipart::from_request(request, &state)
+            .await
+            .map_err(|e| EnvdError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+        let mut total = 0u64;
+        while let Some(field) = multipart
+            .next_field()
+            .await
+            .map_err(|e| EnvdError::new(StatusCode::BAD_REQUEST, e.body_text()))?
+        {
+            if field.name() != Some("file") {
+                return Err(EnvdError::new(
+                    StatusCode::BAD_REQUEST,
+                    "multipart parts are named `file`",
+                ));
+            }
+            let name = field.file_name().map(str::to_owned);
+            let data = field
+                .bytes()
+                .await
+                .map_err(|e| EnvdError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+            total += data.len() as u64;
+            if total > limit {
+                return Err(EnvdError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("uploads are at most {limit} bytes"),
+                ));
+            }
+            writes.push((name.unwrap_or_default(), data.to_vec()));
+        }
+        match (query.get("path"), writes.len()) {
+            (_, 0) => {
+                return Err(EnvdError::new(
+                    StatusCode::BAD_REQUEST,
+                    "the multipart body holds no `file` part",
+                ));
+            }
+            (Some(path), 1) => writes[0].0 = path.to_owned(),
+            _ => {}
+        }
+        if writes.iter().any(|(path, _)| path.is_empty()) {
+            return Err(EnvdError::new(
+                StatusCode::BAD_REQUEST,
+                "each part needs a file name (its path) unless one part is sent with `path`",
+            ));
+        }
+    } else if content_type.starts_with("application/octet-stream") {
+        let encoding = headers
+            .get(header::CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("identity");
+        if !encoding.trim().eq_ignore_ascii_case("identity") {
+            return Err(EnvdError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "Content-Encoding is not supported",
+            ));
+        }
+        let path = query
+            .get("path")
+            .ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?
+            .to_owned();
+        let bytes = read_body(&headers, request.into_body(), limit)
+            .await
+            .map_err(|e| EnvdError::from(ConnectError::from(e)))?;
+        writes.push((path, bytes.to_vec()));
+    } else {
+        return Err(EnvdError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "uploads are application/octet-stream or multipart/form-data",
+        ));
+    }
+    let mangle = state.config.defects.has(Defect::E2bFileBytesAltered);
+    let files = sbx.files()?;
+    let written = blocking(move || {
+        let mut out = Vec::new();
+        for (path, bytes) in writes {
+            let rel = to_rel(&path)?;
+            let bytes = if mangle {
+                // The defect: the upload is taken as text, so bytes that are not UTF-8 change.
+                String::from_utf8_lossy(&bytes).into_owned().into_bytes()
+            } else {
+                bytes
+            };
+            let outcome = files.write(&rel, &bytes)?;
+            let name = outcome
+                .path
+                .rsplit('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            out.push(json!({"name": name, "type": "file", "path": to_e2b(&outcome.path)}));
+        }
+        Ok::<_, EnvdError>(out)
+    })
+    .await?;
+    Ok(Json(written).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2b_paths_map_to_the_root_and_back() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("/home/user", Some("")),
+            ("/home/user/", Some("")),
+            ("/home/user/a/b.txt", Some("a/b.txt")),
+            ("a/b.txt", Some("a/b.txt")),
+            ("/home/username/x", None),
+            ("/etc/passwd", None),
+            ("/", None),
+            ("a\0b", None),
+        ];
+        for (path, rel) in cases {
+            assert_eq!(to_rel(path).ok().as_deref(), *rel, "{path}");
+        }
+        assert_eq!(to_e2b(""), "/home/user");
+        assert_eq!(to_e2b("a/b"), "/home/user/a/b");
+    }
+
+    #[test]
+    fn requests_are_routed_by_headers_or_by_host() {
+        let mut h = HeaderMap::new();
+        h.insert("e2b-sandbox-id", HeaderValue::from_static("abc"));
+        h.insert("e2b-sandbox-port", HeaderValue::from_static("49983"));
+        assert_eq!(route_of(&h), Some(("abc".into(), Some("49983".into()))));
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("49983-abc.e2b.local:3000"));
+        assert_eq!(route_of(&h), Some(("abc".into(), Some("49983".into()))));
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("127.0.0.1:3000"));
+        assert_eq!(route_of(&h), None);
+    }
+}

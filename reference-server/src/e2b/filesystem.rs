@@ -1,0 +1,612 @@
+//! envd's `filesystem.Filesystem` service over the sandbox's root (its `/home/user`): Stat,
+//! ListDir, MakeDir, Move, Remove, the WatchDir stream and the polling watchers
+//! (CreateWatcher, GetWatcherEvents, RemoveWatcher) that the Python SDK's `watch_dir` uses.
+//!
+//! Watching compares snapshots of the directory (each entry's kind, size and modification
+//! time): an entry that appears is `CREATE`, one that goes is `REMOVE`, a file whose size or
+//! time changed is `WRITE`. Changes between two looks are coalesced (a file created and then
+//! written is one `CREATE`), where upstream's inotify reports each.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::api::AppState;
+use crate::sandbox::{EntryStat, FileError, SandboxFiles};
+
+use super::connect::{self, Code, ConnectError};
+use super::envd::{self, EnvdSandbox, blocking, to_e2b, to_rel};
+
+/// How often a WatchDir stream looks at its directory.
+const WATCH_POLL: Duration = Duration::from_millis(200);
+/// Most entries one snapshot walks, so a watch on a huge tree stays bounded.
+const MAX_WATCHED: usize = 10_000;
+/// Most polling watchers alive at once on this server.
+const MAX_WATCHERS: usize = 1024;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PathRequest {
+    #[serde(default)]
+    path: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListDirRequest {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    depth: u32,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveRequest {
+    #[serde(default)]
+    source: String,
+    #[serde(default)]
+    destination: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WatchRequest {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    recursive: bool,
+    #[serde(default, alias = "include_entry")]
+    include_entry: bool,
+    #[serde(default, alias = "allow_network_mounts")]
+    allow_network_mounts: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WatcherRequest {
+    #[serde(default, alias = "watcher_id")]
+    watcher_id: String,
+}
+
+fn file_type(kind: &str) -> &'static str {
+    match kind {
+        "dir" => "FILE_TYPE_DIRECTORY",
+        "symlink" => "FILE_TYPE_SYMLINK",
+        _ => "FILE_TYPE_FILE",
+    }
+}
+
+/// `ls -l` style permissions of a mode.
+fn permissions(kind: &str, mode: u32) -> String {
+    let mut out = String::with_capacity(10);
+    out.push(match kind {
+        "dir" => 'd',
+        "symlink" => 'l',
+        _ => '-',
+    });
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 0o7;
+        out.push(if bits & 4 != 0 { 'r' } else { '-' });
+        out.push(if bits & 2 != 0 { 'w' } else { '-' });
+        out.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    out
+}
+
+/// `EntryInfo` of the entry at root-relative `rel`.
+fn entry_info(rel: &str, stat: &EntryStat) -> Value {
+    let name = rel.rsplit('/').next().unwrap_or_default();
+    let name = if rel.is_empty() { "user" } else { name };
+    let type_bits = match stat.kind {
+        "dir" => 0o040000,
+        "symlink" => 0o120000,
+        _ => 0o100000,
+    };
+    let mode = (stat.mode & 0o7777) | type_bits;
+    let mut out = json!({
+        "name": name,
+        "type": file_type(stat.kind),
+        "path": to_e2b(rel),
+        // int64 is a string in protobuf's JSON mapping.
+        "size": stat.size.to_string(),
+        "mode": mode,
+        "permissions": permissions(stat.kind, mode),
+        "owner": "user",
+        "group": "user",
+    });
+    if let Some(t) = stat.modified {
+        let t = time::OffsetDateTime::from(t);
+        if let Ok(text) = t.format(&time::format_description::well_known::Rfc3339) {
+            out["modifiedTime"] = json!(text);
+        }
+    }
+    if let Some(target) = &stat.symlink_target {
+        out["symlinkTarget"] = json!(target);
+        out["isSymlink"] = json!(true);
+    }
+    out
+}
+
+async fn resolve(state: &AppState, headers: &HeaderMap) -> Result<EnvdSandbox, Response> {
+    envd::sandbox_for(state, headers, false)
+        .await
+        .map_err(IntoResponse::into_response)
+}
+
+fn unary(result: Result<Value, ConnectError>) -> Response {
+    match result {
+        Ok(message) => connect::unary_response(&message),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One unary call: resolve the sandbox, decode the request, run `f` on its files off the
+/// async workers.
+async fn call<R, F>(state: &AppState, headers: &HeaderMap, body: &Bytes, f: F) -> Response
+where
+    R: serde::de::DeserializeOwned + Send + 'static,
+    F: FnOnce(&SandboxFiles, R) -> Result<Value, ConnectError> + Send + 'static,
+{
+    let sbx = match resolve(state, headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: R = connect::unary_request(headers, body)?;
+        let files = sbx.files()?;
+        blocking(move || f(&files, req)).await
+    };
+    unary(result.await)
+}
+
+fn not_found_as(e: FileError, what: &str) -> ConnectError {
+    match e {
+        FileError::NotFound => ConnectError::not_found(format!("{what} not found")),
+        other => other.into(),
+    }
+}
+
+pub async fn stat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    call(&state, &headers, &body, |files, req: PathRequest| {
+        let rel = to_rel(&req.path)?;
+        let stat = files.stat(&rel).map_err(|e| not_found_as(e, "path"))?;
+        Ok(json!({"entry": entry_info(&normalized(&rel), &stat)}))
+    })
+    .await
+}
+
+/// `rel` without `.` and empty segments (the files module refuses what leaves the root).
+fn normalized(rel: &str) -> String {
+    rel.split('/')
+        .filter(|s| !s.is_empty() && *s != ".")
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+pub async fn list_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    call(&state, &headers, &body, |files, req: ListDirRequest| {
+        let rel = normalized(&to_rel(&req.path)?);
+        let depth = req.depth.max(1);
+        match files.stat(&rel).map_err(|e| not_found_as(e, "directory"))? {
+            s if s.kind == "dir" => {}
+            _ => return Err(ConnectError::invalid("path is not a directory")),
+        }
+        let mut entries = Vec::new();
+        let mut level = vec![rel];
+        for _ in 0..depth {
+            let mut next = Vec::new();
+            for dir in level {
+                for entry in files.list(&dir)? {
+                    let child = if dir.is_empty() {
+                        entry.name.clone()
+                    } else {
+                        format!("{dir}/{}", entry.name)
+                    };
+                    let stat = files.stat(&child)?;
+                    entries.push(entry_info(&child, &stat));
+                    if stat.kind == "dir" {
+                        next.push(child);
+                    }
+                }
+            }
+            level = next;
+        }
+        Ok(json!({ "entries": entries }))
+    })
+    .await
+}
+
+pub async fn make_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    call(&state, &headers, &body, |files, req: PathRequest| {
+        let rel = normalized(&to_rel(&req.path)?);
+        if rel.is_empty() || !files.make_dir(&rel)? {
+            return Err(ConnectError::new(
+                Code::AlreadyExists,
+                "the directory already exists",
+            ));
+        }
+        let stat = files.stat(&rel)?;
+        Ok(json!({"entry": entry_info(&rel, &stat)}))
+    })
+    .await
+}
+
+pub async fn move_entry(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    call(&state, &headers, &body, |files, req: MoveRequest| {
+        let from = normalized(&to_rel(&req.source)?);
+        let to = normalized(&to_rel(&req.destination)?);
+        files
+            .rename(&from, &to)
+            .map_err(|e| not_found_as(e, "source"))?;
+        let stat = files.stat(&to)?;
+        Ok(json!({"entry": entry_info(&to, &stat)}))
+    })
+    .await
+}
+
+pub async fn remove(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    call(&state, &headers, &body, |files, req: PathRequest| {
+        let rel = to_rel(&req.path)?;
+        files.delete(&rel).map_err(|e| not_found_as(e, "path"))?;
+        Ok(json!({}))
+    })
+    .await
+}
+
+/// What a watch remembers of each entry below its directory.
+type Snapshot = BTreeMap<String, (&'static str, u64, Option<SystemTime>)>;
+
+/// Walks `dir` (root-relative), one level or the whole tree, keyed by the path relative to
+/// `dir`.
+fn snapshot(files: &SandboxFiles, dir: &str, recursive: bool) -> Result<Snapshot, FileError> {
+    let mut out = Snapshot::new();
+    let mut pending = vec![String::new()];
+    while let Some(sub) = pending.pop() {
+        let full = match (dir.is_empty(), sub.is_empty()) {
+            (_, true) => dir.to_owned(),
+            (true, false) => sub.clone(),
+            (false, false) => format!("{dir}/{sub}"),
+        };
+        let entries = match files.list(&full) {
+            Ok(entries) => entries,
+            // A subdirectory removed while walking: its REMOVE shows on the next look.
+            Err(FileError::NotFound) if !sub.is_empty() => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let name = if sub.is_empty() {
+                entry.name.clone()
+            } else {
+                format!("{sub}/{}", entry.name)
+            };
+            let path = if dir.is_empty() {
+                name.clone()
+            } else {
+                format!("{dir}/{name}")
+            };
+            let modified = files.stat(&path).ok().and_then(|s| s.modified);
+            if recursive && entry.kind == "dir" {
+                pending.push(name.clone());
+            }
+            out.insert(name, (entry.kind, entry.size, modified));
+            if out.len() >= MAX_WATCHED {
+                return Ok(out);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The events that turn `old` into `new`: (name relative to the watched directory, type).
+fn diff(old: &Snapshot, new: &Snapshot) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    for (name, now) in new {
+        match old.get(name) {
+            None => out.push((name.clone(), "EVENT_TYPE_CREATE")),
+            Some(before) if before.0 != now.0 => {
+                out.push((name.clone(), "EVENT_TYPE_REMOVE"));
+                out.push((name.clone(), "EVENT_TYPE_CREATE"));
+            }
+            Some(before) if now.0 == "file" && before != now => {
+                out.push((name.clone(), "EVENT_TYPE_WRITE"))
+            }
+            Some(_) => {}
+        }
+    }
+    for name in old.keys() {
+        if !new.contains_key(name) {
+            out.push((name.clone(), "EVENT_TYPE_REMOVE"));
+        }
+    }
+    out
+}
+
+fn event_json(
+    files: &SandboxFiles,
+    dir: &str,
+    name: &str,
+    kind: &str,
+    include_entry: bool,
+) -> Value {
+    let mut event = json!({"name": name, "type": kind});
+    if include_entry && kind != "EVENT_TYPE_REMOVE" {
+        let rel = if dir.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{dir}/{name}")
+        };
+        if let Ok(stat) = files.stat(&rel) {
+            event["entry"] = entry_info(&rel, &stat);
+        }
+    }
+    event
+}
+
+/// The directory a watch request names, checked to exist and be a directory.
+fn watched_dir(files: &SandboxFiles, path: &str) -> Result<String, ConnectError> {
+    let rel = normalized(&to_rel(path)?);
+    match files.stat(&rel).map_err(|e| not_found_as(e, "directory"))? {
+        s if s.kind == "dir" => Ok(rel),
+        _ => Err(ConnectError::invalid("path is not a directory")),
+    }
+}
+
+/// `WatchDir`: `start`, then a `filesystem` event per change until the client goes away.
+pub async fn watch_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let setup = async {
+        let req: WatchRequest = connect::stream_request(&headers, &body)?;
+        let _ = req.allow_network_mounts;
+        let files = sbx.files()?;
+        let path = req.path.clone();
+        let recursive = req.recursive;
+        let (files, dir, snap) = blocking(move || {
+            let dir = watched_dir(&files, &path)?;
+            let snap = snapshot(&files, &dir, recursive)?;
+            Ok::<_, ConnectError>((files, dir, snap))
+        })
+        .await?;
+        Ok::<_, ConnectError>((req, files, dir, snap))
+    };
+    let (req, files, dir, mut snap) = match setup.await {
+        Ok(ready) => ready,
+        Err(e) => return connect::stream_error(e),
+    };
+    let (response, sender) = connect::stream_response();
+    let keepalive = connect::keepalive_interval(&headers);
+    let files = std::sync::Arc::new(files);
+    tokio::spawn(async move {
+        if !sender.send(&json!({"start": {}})).await {
+            return;
+        }
+        let mut last_ping = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(WATCH_POLL) => {}
+                () = sender.closed() => return,
+                () = state.shutdown.cancelled() => {
+                    sender.finish(Some(ConnectError::new(Code::Unavailable, "the server is shutting down"))).await;
+                    return;
+                }
+            }
+            let looked = {
+                let (files, dir, old) = (std::sync::Arc::clone(&files), dir.clone(), snap.clone());
+                let (recursive, include) = (req.recursive, req.include_entry);
+                blocking(move || {
+                    let new = snapshot(&files, &dir, recursive)?;
+                    let events: Vec<Value> = diff(&old, &new)
+                        .into_iter()
+                        .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
+                        .collect();
+                    Ok::<_, ConnectError>((new, events))
+                })
+                .await
+            };
+            match looked {
+                Ok((new, events)) => {
+                    snap = new;
+                    for event in events {
+                        if !sender.send(&json!({ "filesystem": event })).await {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    sender.finish(Some(e)).await;
+                    return;
+                }
+            }
+            if let Some(every) = keepalive
+                && last_ping.elapsed() >= every
+            {
+                last_ping = tokio::time::Instant::now();
+                if !sender.send(&json!({"keepalive": {}})).await {
+                    return;
+                }
+            }
+        }
+    });
+    response
+}
+
+/// A polling watcher: its sandbox, directory and the snapshot of its last look.
+struct Watcher {
+    sandbox: String,
+    dir: String,
+    recursive: bool,
+    include_entry: bool,
+    snapshot: Snapshot,
+}
+
+/// The polling watchers of this server, by ID. They live in memory, as upstream's live in
+/// envd's: a restart forgets them.
+static WATCHERS: Mutex<Option<HashMap<String, Watcher>>> = Mutex::new(None);
+
+fn watchers() -> std::sync::MutexGuard<'static, Option<HashMap<String, Watcher>>> {
+    WATCHERS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub async fn create_watcher(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let sandbox = sbx.rec.id.clone();
+    let result = async {
+        let req: WatchRequest = connect::unary_request(&headers, &body)?;
+        let files = sbx.files()?;
+        let (dir, snap) = blocking(move || {
+            let dir = watched_dir(&files, &req.path)?;
+            let snap = snapshot(&files, &dir, req.recursive)?;
+            Ok::<_, ConnectError>((dir, snap))
+        })
+        .await?;
+        let id = format!("w_{}", ulid::Ulid::new().to_string().to_lowercase());
+        let mut all = watchers();
+        let all = all.get_or_insert_with(HashMap::new);
+        if all.len() >= MAX_WATCHERS {
+            return Err(ConnectError::new(
+                Code::ResourceExhausted,
+                "too many watchers; remove some first",
+            ));
+        }
+        all.insert(
+            id.clone(),
+            Watcher {
+                sandbox,
+                dir,
+                recursive: req.recursive,
+                include_entry: req.include_entry,
+                snapshot: snap,
+            },
+        );
+        Ok(json!({ "watcherId": id }))
+    };
+    unary(result.await)
+}
+
+pub async fn get_watcher_events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: WatcherRequest = connect::unary_request(&headers, &body)?;
+        let (dir, recursive, include, old) = {
+            let all = watchers();
+            let w = all
+                .as_ref()
+                .and_then(|all| all.get(&req.watcher_id))
+                .filter(|w| w.sandbox == sbx.rec.id)
+                .ok_or_else(|| ConnectError::not_found("watcher not found"))?;
+            (
+                w.dir.clone(),
+                w.recursive,
+                w.include_entry,
+                w.snapshot.clone(),
+            )
+        };
+        let files = sbx.files()?;
+        let (new, events) = blocking(move || {
+            let new = snapshot(&files, &dir, recursive)?;
+            let events: Vec<Value> = diff(&old, &new)
+                .into_iter()
+                .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
+                .collect();
+            Ok::<_, ConnectError>((new, events))
+        })
+        .await?;
+        if let Some(w) = watchers()
+            .as_mut()
+            .and_then(|all| all.get_mut(&req.watcher_id))
+        {
+            w.snapshot = new;
+        }
+        Ok(json!({ "events": events }))
+    };
+    unary(result.await)
+}
+
+pub async fn remove_watcher(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: WatcherRequest = connect::unary_request(&headers, &body)?;
+        let mut all = watchers();
+        let all = all.get_or_insert_with(HashMap::new);
+        match all.get(&req.watcher_id) {
+            Some(w) if w.sandbox == sbx.rec.id => {
+                all.remove(&req.watcher_id);
+                Ok(json!({}))
+            }
+            _ => Err(ConnectError::not_found("watcher not found")),
+        }
+    };
+    unary(result.await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_diff_into_create_write_and_remove() {
+        let t = Some(SystemTime::UNIX_EPOCH);
+        let later = Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1));
+        let old: Snapshot = [
+            ("kept".to_owned(), ("file", 1, t)),
+            ("written".to_owned(), ("file", 1, t)),
+            ("gone".to_owned(), ("file", 1, t)),
+        ]
+        .into();
+        let new: Snapshot = [
+            ("kept".to_owned(), ("file", 1, t)),
+            ("written".to_owned(), ("file", 1, later)),
+            ("new".to_owned(), ("dir", 0, t)),
+        ]
+        .into();
+        assert_eq!(
+            diff(&old, &new),
+            vec![
+                ("new".to_owned(), "EVENT_TYPE_CREATE"),
+                ("written".to_owned(), "EVENT_TYPE_WRITE"),
+                ("gone".to_owned(), "EVENT_TYPE_REMOVE"),
+            ]
+        );
+    }
+
+    #[test]
+    fn permissions_read_like_ls() {
+        assert_eq!(permissions("file", 0o100644), "-rw-r--r--");
+        assert_eq!(permissions("dir", 0o040755), "drwxr-xr-x");
+    }
+}

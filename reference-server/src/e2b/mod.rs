@@ -1,0 +1,77 @@
+//! The E2B protocol over this server's own sandboxes: E2B's control plane (`/sandboxes`,
+//! `/v2/sandboxes`, `X-API-Key`) and envd (the Connect services `process.Process` and
+//! `filesystem.Filesystem`, `/files`, `/health`) on the same process, store, sandboxes and
+//! port as `/v1`. A principal's token is also its E2B API key.
+//!
+//! # Layout
+//!
+//! - [`ids`]: E2B sandbox IDs and the provider-qualified IDs they stand for.
+//! - [`control`]: the control plane, its authentication and its `{code, message}` errors.
+//! - [`connect`]: the Connect protocol with the JSON codec: unary calls, server-stream
+//!   envelopes, error codes.
+//! - [`envd`]: routing envd requests to a sandbox (headers or host), the access token of
+//!   secure sandboxes, path mapping, and the plain HTTP endpoints.
+//! - [`process`] and [`filesystem`]: the two Connect services.
+//!
+//! What the upstream contract is and which parts are served is in `docs/profiles/e2b.md`.
+
+pub mod connect;
+pub mod control;
+pub mod envd;
+pub mod filesystem;
+pub mod ids;
+pub mod process;
+
+use axum::Router;
+use axum::routing::{get, post};
+
+use crate::api::AppState;
+
+/// The E2B routes, merged into the server's router beside `/v1`.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        // Control plane (upstream spec/openapi.yml).
+        .route("/sandboxes", post(control::create_v1).get(control::list_v1))
+        .route(
+            "/v2/sandboxes",
+            post(control::create_v2).get(control::list_v2),
+        )
+        .route("/sandboxes/{id}", get(control::get).delete(control::kill))
+        .route("/sandboxes/{id}/timeout", post(control::set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(control::refresh))
+        .route("/sandboxes/{id}/pause", post(control::pause))
+        .route("/sandboxes/{id}/resume", post(control::resume))
+        .route("/sandboxes/{id}/connect", post(control::connect))
+        .route("/v2/sandboxes/{id}/connect", post(control::connect))
+        // envd (packages/envd/spec), routed to a sandbox by E2b-Sandbox-Id / E2b-Sandbox-Port.
+        .route("/health", get(envd::health))
+        .route("/envs", get(envd::envs))
+        .route("/files", get(envd::read_file).post(envd::write_file))
+        .route("/process.Process/Start", post(process::start))
+        .route("/process.Process/Connect", post(process::connect_process))
+        .route("/process.Process/List", post(process::list))
+        .route("/process.Process/SendInput", post(process::send_input))
+        .route("/process.Process/SendSignal", post(process::send_signal))
+        .route("/process.Process/CloseStdin", post(process::close_stdin))
+        .route("/filesystem.Filesystem/Stat", post(filesystem::stat))
+        .route("/filesystem.Filesystem/ListDir", post(filesystem::list_dir))
+        .route("/filesystem.Filesystem/MakeDir", post(filesystem::make_dir))
+        .route("/filesystem.Filesystem/Move", post(filesystem::move_entry))
+        .route("/filesystem.Filesystem/Remove", post(filesystem::remove))
+        .route(
+            "/filesystem.Filesystem/WatchDir",
+            post(filesystem::watch_dir),
+        )
+        .route(
+            "/filesystem.Filesystem/CreateWatcher",
+            post(filesystem::create_watcher),
+        )
+        .route(
+            "/filesystem.Filesystem/GetWatcherEvents",
+            post(filesystem::get_watcher_events),
+        )
+        .route(
+            "/filesystem.Filesystem/RemoveWatcher",
+            post(filesystem::remove_watcher),
+        )
+}

@@ -1,0 +1,669 @@
+//! envd's `process.Process` service over this server's processes: Start, Connect, List,
+//! SendInput, SendSignal and CloseStdin.
+//!
+//! A process started here is an ordinary process record of the sandbox (its output in the
+//! durable log `process:<id>`), with an `e2b` object in its body: the pid clients address it
+//! by, and the command as it was asked for. Pids are assigned per sandbox from 1000 upwards;
+//! they are handles, not the host's process IDs. Start streams everything the process
+//! writes; Connect, as upstream, sends only what is written after it attached, and the end
+//! event of a process that has already ended.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::api::AppState;
+use crate::defects::Defect;
+use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, now};
+use crate::sandbox::{ProviderError, Signal};
+use crate::store::{Kind, ListQuery, Record, Scope};
+use crate::stream::process_stream;
+
+use super::connect::{self, Code, ConnectError, StreamSender};
+use super::envd::{self, EnvdSandbox};
+
+/// The first pid handed out in a sandbox.
+const FIRST_PID: u32 = 1000;
+/// How often a stream reads the store without a wake-up (another server process's appends,
+/// a sandbox killed under it).
+const POLL: Duration = Duration::from_millis(500);
+
+/// Serializes pid assignment: the next pid is one more than the largest in the sandbox.
+static PID_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProcessConfig {
+    cmd: String,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    envs: BTreeMap<String, String>,
+    cwd: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartRequest {
+    process: Option<ProcessConfig>,
+    pty: Option<Value>,
+    tag: Option<String>,
+    stdin: Option<bool>,
+}
+
+/// `ProcessSelector`: a oneof of `pid` and `tag`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Selector {
+    pid: Option<u32>,
+    tag: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SelectorRequest {
+    process: Option<Selector>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProcessInput {
+    stdin: Option<String>,
+    pty: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SendInputRequest {
+    process: Option<Selector>,
+    input: Option<ProcessInput>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SendSignalRequest {
+    process: Option<Selector>,
+    signal: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListRequest {}
+
+/// What the `e2b` object of a process record holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct E2bProcess {
+    pid: u32,
+    cmd: String,
+    args: Vec<String>,
+    envs: BTreeMap<String, String>,
+    cwd: Option<String>,
+    tag: Option<String>,
+}
+
+fn e2b_process(rec: &Record) -> Option<E2bProcess> {
+    rec.body
+        .get("e2b")
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+}
+
+fn process_of(rec: &Record) -> Result<Process, ConnectError> {
+    serde_json::from_value(rec.body.clone())
+        .map_err(|e| crate::api::ApiError::internal(format!("process body {}: {e}", rec.id)).into())
+}
+
+async fn processes_of(state: &AppState, sbx: &EnvdSandbox) -> Result<Vec<Record>, ConnectError> {
+    let mut q = ListQuery::new(Kind::Process, Scope::System);
+    q.parent = Some(&sbx.rec.id);
+    Ok(state
+        .store
+        .list(&q)
+        .await
+        .map_err(crate::api::ApiError::from)?)
+}
+
+/// The process a selector names: by pid, or by tag (a running one first, else the latest).
+async fn select(
+    state: &AppState,
+    sbx: &EnvdSandbox,
+    selector: Option<Selector>,
+) -> Result<Record, ConnectError> {
+    let selector = selector.ok_or_else(|| ConnectError::invalid("process is required"))?;
+    let records = processes_of(state, sbx).await?;
+    let found = match (selector.pid, selector.tag) {
+        (Some(pid), None) => records
+            .into_iter()
+            .find(|r| e2b_process(r).is_some_and(|p| p.pid == pid)),
+        (None, Some(tag)) => {
+            let tagged: Vec<Record> = records
+                .into_iter()
+                .filter(|r| e2b_process(r).is_some_and(|p| p.tag.as_deref() == Some(&tag)))
+                .collect();
+            let running = tagged
+                .iter()
+                .position(|r| r.state == ProcessState::Running.as_str());
+            match running {
+                Some(i) => tagged.into_iter().nth(i),
+                None => tagged.into_iter().last(),
+            }
+        }
+        _ => {
+            return Err(ConnectError::invalid(
+                "process selects by exactly one of pid and tag",
+            ));
+        }
+    };
+    found.ok_or_else(|| ConnectError::not_found("process not found"))
+}
+
+async fn resolve(state: &AppState, headers: &HeaderMap) -> Result<EnvdSandbox, Response> {
+    envd::sandbox_for(state, headers, false)
+        .await
+        .map_err(axum::response::IntoResponse::into_response)
+}
+
+/// The `end` event of a process from its exit: upstream reports a process ended by a signal
+/// with `exited: false`, exit code -1 and Go's status text.
+fn end_event(state: &str, exit_code: Option<i64>, signal: Option<&str>) -> Value {
+    if state == ProcessState::Killed.as_str() || exit_code.is_none() {
+        let status = match signal {
+            Some("KILL") => "signal: killed".to_owned(),
+            Some("TERM") => "signal: terminated".to_owned(),
+            Some("INT") => "signal: interrupt".to_owned(),
+            Some(other) => format!("signal: {other}"),
+            None => "signal: killed".to_owned(),
+        };
+        json!({"event": {"end": {"exitCode": -1, "exited": false, "status": status}}})
+    } else {
+        let code = exit_code.unwrap_or_default();
+        json!({"event": {"end": {"exitCode": code, "exited": true, "status": format!("exit status {code}")}}})
+    }
+}
+
+fn end_of_exit(data: &Value) -> Value {
+    end_event(
+        data.get("state")
+            .and_then(Value::as_str)
+            .unwrap_or("exited"),
+        data.get("exit_code").and_then(Value::as_i64),
+        data.get("signal").and_then(Value::as_str),
+    )
+}
+
+fn end_of_record(p: &Process) -> Value {
+    end_event(
+        p.state.as_str(),
+        p.exit_code.map(i64::from),
+        p.signal.as_deref(),
+    )
+}
+
+/// Sends the process's events after `cursor` until its `exit` (then the end event and the
+/// end of the stream), the client going away, the sandbox ending, or shutdown.
+async fn pump(
+    state: AppState,
+    sender: StreamSender,
+    process_id: String,
+    mut cursor: i64,
+    keepalive: Option<Duration>,
+) {
+    let stream = process_stream(&process_id);
+    let mut woken = state.log.follow(&stream);
+    let mut ping = keepalive.map(|d| {
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+    loop {
+        let events = match state.log.read_after(&stream, cursor, 256).await {
+            Ok(events) => events,
+            Err(e) => {
+                sender
+                    .finish(Some(crate::api::ApiError::from(e).into()))
+                    .await;
+                return;
+            }
+        };
+        if !events.is_empty() {
+            for framed in events {
+                let event = &framed.event;
+                cursor = event.seq;
+                let text = event.data.get("data").and_then(Value::as_str).unwrap_or("");
+                let message = match event.kind.as_str() {
+                    "stdout" => {
+                        json!({"event": {"data": {"stdout": connect::encode_bytes(text.as_bytes())}}})
+                    }
+                    "stderr" => {
+                        json!({"event": {"data": {"stderr": connect::encode_bytes(text.as_bytes())}}})
+                    }
+                    "exit" => {
+                        if sender.send(&end_of_exit(&event.data)).await {
+                            sender.finish(None).await;
+                        }
+                        return;
+                    }
+                    _ => continue,
+                };
+                if !sender.send(&message).await {
+                    return;
+                }
+            }
+            continue;
+        }
+        let tick = async {
+            match ping.as_mut() {
+                Some(t) => {
+                    t.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = woken.changed() => {}
+            () = tokio::time::sleep(POLL) => {
+                let exists = state
+                    .store
+                    .get(Kind::Process, Scope::System, &process_id)
+                    .await
+                    .map(|r| r.is_some())
+                    .unwrap_or(true);
+                if !exists {
+                    sender
+                        .finish(Some(ConnectError::new(
+                            Code::Unavailable,
+                            "the sandbox ended before the process did",
+                        )))
+                        .await;
+                    return;
+                }
+            }
+            () = tick => {
+                if !sender.send(&json!({"event": {"keepalive": {}}})).await {
+                    return;
+                }
+            }
+            () = sender.closed() => return,
+            () = state.shutdown.cancelled() => {
+                sender
+                    .finish(Some(ConnectError::new(Code::Unavailable, "the server is shutting down")))
+                    .await;
+                return;
+            }
+        }
+    }
+}
+
+/// `Start`: runs a command and streams `start{pid}`, its output and `end`.
+pub async fn start(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    match start_process(&state, &sbx, &headers, &body).await {
+        Err(e) => connect::stream_error(e),
+        Ok((rec, pid)) => {
+            let (response, sender) = connect::stream_response();
+            let keepalive = connect::keepalive_interval(&headers);
+            tokio::spawn(async move {
+                if sender
+                    .send(&json!({"event": {"start": {"pid": pid}}}))
+                    .await
+                {
+                    pump(state, sender, rec.id, 0, keepalive).await;
+                }
+            });
+            response
+        }
+    }
+}
+
+async fn start_process(
+    state: &AppState,
+    sbx: &EnvdSandbox,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<(Record, u32), ConnectError> {
+    let req: StartRequest = connect::stream_request(headers, body)?;
+    if req.pty.is_some() {
+        return Err(ConnectError::new(
+            Code::Unimplemented,
+            "PTY processes are not supported by this server",
+        ));
+    }
+    let config = req
+        .process
+        .ok_or_else(|| ConnectError::invalid("process is required"))?;
+    if config.cmd.is_empty() {
+        return Err(ConnectError::invalid("process.cmd is required"));
+    }
+    if config.cmd.contains('\0') || config.args.iter().any(|a| a.contains('\0')) {
+        return Err(ConnectError::invalid("arguments cannot contain NUL"));
+    }
+    if config
+        .envs
+        .iter()
+        .any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0'))
+    {
+        return Err(ConnectError::invalid(
+            "environment names must be non-empty without `=` or NUL",
+        ));
+    }
+    let cwd = match config.cwd.as_deref() {
+        None | Some("") => None,
+        Some(cwd) => {
+            let rel = envd::to_rel(cwd)?;
+            (!rel.is_empty()).then_some(rel)
+        }
+    };
+    let mut cmd = vec![config.cmd.clone()];
+    cmd.extend(config.args.iter().cloned());
+    let spec = ProcessSpec {
+        cmd: cmd.clone(),
+        cwd,
+        env: config.envs.clone(),
+        stdin: req.stdin.unwrap_or(false),
+        timeout_ms: None,
+        tag: req.tag.clone(),
+    };
+    let (provider_name, _) = crate::api::lookup::split(&sbx.rec.id)?;
+    let _serial = PID_LOCK.lock().await;
+    let pid = processes_of(state, sbx)
+        .await?
+        .iter()
+        .filter_map(e2b_process)
+        .map(|p| p.pid + 1)
+        .max()
+        .unwrap_or(FIRST_PID);
+    let process = Process {
+        id: QualifiedId::new(
+            provider_name,
+            sbx.provider.allocate_local_id(IdKind::Process),
+        )
+        .to_string(),
+        sandbox_id: sbx.rec.id.clone(),
+        state: ProcessState::Running,
+        cmd,
+        tag: req.tag.clone(),
+        exit_code: None,
+        signal: None,
+        started_at: now(),
+        ended_at: None,
+        output_expires_at: None,
+        output_expired: false,
+    };
+    let mut body = serde_json::to_value(&process).map_err(crate::api::ApiError::internal)?;
+    body["e2b"] = serde_json::to_value(E2bProcess {
+        pid,
+        cmd: config.cmd,
+        args: config.args,
+        envs: config.envs,
+        cwd: config.cwd,
+        tag: req.tag,
+    })
+    .map_err(crate::api::ApiError::internal)?;
+    let rec = Record {
+        kind: Kind::Process,
+        id: process.id.clone(),
+        owner: sbx.rec.owner.clone(),
+        parent: Some(sbx.rec.id.clone()),
+        state: ProcessState::Running.as_str().to_owned(),
+        body,
+        version: 1,
+        created_at: process.started_at,
+        due_at: None,
+    };
+    state
+        .store
+        .insert(&rec)
+        .await
+        .map_err(crate::api::ApiError::from)?;
+    if let Err(e) = sbx
+        .provider
+        .spawn(&sbx.local, rec.clone(), &spec, &sbx.env())
+        .await
+    {
+        if let Err(e) = state.store.delete(Kind::Process, &rec.id).await {
+            tracing::warn!(error = %e, "could not remove the record of a failed start");
+        }
+        return Err(match e {
+            ProviderError::InvalidArgument { detail, .. } => ConnectError::invalid(detail),
+            ProviderError::InvalidPath => ConnectError::invalid("cwd is outside the sandbox"),
+            other => other.into(),
+        });
+    }
+    Ok((rec, pid))
+}
+
+/// `Connect`: attaches to a process by pid or tag: `start{pid}`, then what it writes from now
+/// on and its `end`; for a process that has already ended, `start` and `end` at once.
+pub async fn connect_process(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let attach = async {
+        let req: SelectorRequest = connect::stream_request(&headers, &body)?;
+        let found = select(&state, &sbx, req.process).await?;
+        let stream = process_stream(&found.id);
+        // The bounds before the record: a process seen running appends its exit after them.
+        let bounds = state
+            .store
+            .stream_bounds(&stream)
+            .await
+            .map_err(crate::api::ApiError::from)?;
+        let rec = state
+            .store
+            .get(Kind::Process, Scope::System, &found.id)
+            .await
+            .map_err(crate::api::ApiError::from)?
+            .ok_or_else(|| ConnectError::not_found("process not found"))?;
+        let pid = e2b_process(&rec).map(|p| p.pid).unwrap_or_default();
+        Ok::<_, ConnectError>((rec, pid, bounds.last_seq))
+    };
+    let (rec, pid, cursor) = match attach.await {
+        Ok(found) => found,
+        Err(e) => return connect::stream_error(e),
+    };
+    let ended = match process_of(&rec) {
+        Ok(p) => (p.state != ProcessState::Running).then_some(p),
+        Err(e) => return connect::stream_error(e),
+    };
+    let (response, sender) = connect::stream_response();
+    let keepalive = connect::keepalive_interval(&headers);
+    let loses_exit = state.config.defects.has(Defect::E2bLateConnectLosesExit);
+    tokio::spawn(async move {
+        if !sender
+            .send(&json!({"event": {"start": {"pid": pid}}}))
+            .await
+        {
+            return;
+        }
+        match ended {
+            Some(process) => {
+                if loses_exit {
+                    // The defect: a process that has ended has nothing live left to forward.
+                    sender.finish(None).await;
+                } else if sender.send(&end_of_record(&process)).await {
+                    sender.finish(None).await;
+                }
+            }
+            None => pump(state, sender, rec.id, cursor, keepalive).await,
+        }
+    });
+    response
+}
+
+/// `List`: the sandbox's running processes.
+pub async fn list(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let _: ListRequest = connect::unary_request(&headers, &body)?;
+        let mut processes = Vec::new();
+        for rec in processes_of(&state, &sbx).await? {
+            if rec.state != ProcessState::Running.as_str() {
+                continue;
+            }
+            let Some(p) = e2b_process(&rec) else { continue };
+            let mut config = json!({"cmd": p.cmd, "args": p.args, "envs": p.envs});
+            if let Some(cwd) = p.cwd {
+                config["cwd"] = json!(cwd);
+            }
+            let mut info = json!({"config": config, "pid": p.pid});
+            if let Some(tag) = p.tag {
+                info["tag"] = json!(tag);
+            }
+            processes.push(info);
+        }
+        Ok::<_, ConnectError>(json!({ "processes": processes }))
+    };
+    unary(result.await)
+}
+
+fn unary(result: Result<Value, ConnectError>) -> Response {
+    match result {
+        Ok(message) => connect::unary_response(&message),
+        Err(e) => axum::response::IntoResponse::into_response(e),
+    }
+}
+
+/// A running process of the sandbox, by selector; an ended one is not found, as upstream.
+async fn running(
+    state: &AppState,
+    sbx: &EnvdSandbox,
+    selector: Option<Selector>,
+) -> Result<Record, ConnectError> {
+    let rec = select(state, sbx, selector).await?;
+    if rec.state != ProcessState::Running.as_str() {
+        return Err(ConnectError::not_found("process not found (it has ended)"));
+    }
+    Ok(rec)
+}
+
+fn provider_error(e: ProviderError) -> ConnectError {
+    match e {
+        ProviderError::NotFound | ProviderError::ProcessExited => {
+            ConnectError::not_found("process not found (it has ended)")
+        }
+        ProviderError::NoStdin => ConnectError::new(
+            Code::FailedPrecondition,
+            "the process was started without stdin",
+        ),
+        other => other.into(),
+    }
+}
+
+/// `SendInput`: bytes to the process's stdin.
+pub async fn send_input(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: SendInputRequest = connect::unary_request(&headers, &body)?;
+        let input = req
+            .input
+            .ok_or_else(|| ConnectError::invalid("input is required"))?;
+        if input.pty.is_some() {
+            return Err(ConnectError::new(
+                Code::Unimplemented,
+                "PTY input is not supported by this server",
+            ));
+        }
+        let data = connect::decode_bytes(input.stdin.as_deref().unwrap_or(""))?;
+        let rec = running(&state, &sbx, req.process).await?;
+        sbx.provider
+            .write_stdin(&rec.id, &data, false)
+            .await
+            .map_err(provider_error)?;
+        Ok(json!({}))
+    };
+    unary(result.await)
+}
+
+/// `CloseStdin`: end of input for the process.
+pub async fn close_stdin(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: SelectorRequest = connect::unary_request(&headers, &body)?;
+        let rec = running(&state, &sbx, req.process).await?;
+        sbx.provider
+            .write_stdin(&rec.id, &[], true)
+            .await
+            .map_err(provider_error)?;
+        Ok(json!({}))
+    };
+    unary(result.await)
+}
+
+/// `SendSignal`: SIGTERM or SIGKILL (by enum name or number).
+pub async fn send_signal(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sbx = match resolve(&state, &headers).await {
+        Ok(sbx) => sbx,
+        Err(response) => return response,
+    };
+    let result = async {
+        let req: SendSignalRequest = connect::unary_request(&headers, &body)?;
+        let signal = match req.signal.as_ref() {
+            Some(Value::String(s)) if s == "SIGNAL_SIGKILL" => Signal::Kill,
+            Some(Value::String(s)) if s == "SIGNAL_SIGTERM" => Signal::Term,
+            Some(Value::Number(n)) if n.as_u64() == Some(9) => Signal::Kill,
+            Some(Value::Number(n)) if n.as_u64() == Some(15) => Signal::Term,
+            _ => {
+                return Err(ConnectError::invalid(
+                    "signal must be SIGNAL_SIGTERM or SIGNAL_SIGKILL",
+                ));
+            }
+        };
+        let rec = running(&state, &sbx, req.process).await?;
+        sbx.provider
+            .signal(&rec.id, signal)
+            .map_err(provider_error)?;
+        Ok(json!({}))
+    };
+    unary(result.await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_events_follow_upstream_for_exits_and_signals() {
+        assert_eq!(
+            end_of_exit(&json!({"state": "exited", "exit_code": 3, "signal": null})),
+            json!({"event": {"end": {"exitCode": 3, "exited": true, "status": "exit status 3"}}})
+        );
+        assert_eq!(
+            end_of_exit(&json!({"state": "killed", "exit_code": null, "signal": "KILL"})),
+            json!({"event": {"end": {"exitCode": -1, "exited": false, "status": "signal: killed"}}})
+        );
+    }
+}
