@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{Ctx, Prepared, StepError};
+use super::context::{Ctx, Prepared, StepError};
 use crate::engine::expect::Observed;
 use crate::engine::outcome::Outcome;
 use crate::scenario::{Method, Principal, Via};
