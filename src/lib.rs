@@ -17,6 +17,8 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
+//! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
+//!   clause document and how a target's support is learned.
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
@@ -29,6 +31,7 @@ pub mod cli;
 pub mod engine;
 pub mod evidence;
 pub mod live;
+pub mod profile;
 pub mod report;
 pub mod scenario;
 pub mod sse;

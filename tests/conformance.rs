@@ -2,6 +2,8 @@
 //! SQLite (`sqlite::<ID>`) and on PostgreSQL (`postgres::<ID>`, skipped at run time when
 //! PostgreSQL is not installed), and every (scenario, defect) pair against a SQLite server
 //! started with that defect, where the scenario must FAIL (`defect::<ID>::<defect>`).
+//! The E2B catalog (`scenarios/e2b/`) runs the same way against the reference speaking E2B,
+//! its trials named `e2b::sqlite::<ID>`, `e2b::postgres::<ID>` and `e2b::defect::<ID>::<defect>`.
 //!
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
@@ -17,6 +19,7 @@ use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 use sandspec::engine::{Outcome, run_scenario};
+use sandspec::profile::Api;
 use sandspec::scenario::{LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
@@ -50,13 +53,14 @@ enum Store<'a> {
 const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for `store`; `None` when PostgreSQL is not installed.
-fn server(store: Store<'_>) -> Option<Arc<Target>> {
+fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
         Store::Defect(d) => format!("defect:{d}"),
         Store::PostgresDefect(d) => format!("postgres-defect:{d}"),
     };
+    let key = format!("{}:{key}", api.name());
     let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
@@ -79,13 +83,13 @@ fn server(store: Store<'_>) -> Option<Arc<Target>> {
     let target = RUNTIME
         .block_on(Target::start_reference(&options))
         .unwrap_or_else(|e| panic!("failed to start the reference server ({key}): {e}"));
-    let target = Arc::new(target);
+    let target = Arc::new(target.speaking(api));
     servers.insert(key, target.clone());
     Some(target)
 }
 
-fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
-    let Some(target) = server(store) else {
+fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
+    let Some(target) = server(store, api) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
@@ -102,8 +106,8 @@ fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
 }
 
 /// A trial that must pass (a skip is reported as ignored, with its reason).
-fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> Trial {
-    Trial::ignorable_test(name, move || match run(&scenario, store) {
+fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>, api: Api) -> Trial {
+    Trial::ignorable_test(name, move || match run(&scenario, store, api) {
         Outcome::Pass => Ok(Completion::Completed),
         Outcome::Skip { reason } => Ok(Completion::ignored_with(reason)),
         other => Err(Failed::from(other.to_string())),
@@ -112,15 +116,15 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> T
 
 /// A negative control: the scenario must FAIL against a server with `defect` (on PostgreSQL
 /// when `postgres`, where a missing PostgreSQL makes the trial ignored; any other skip fails).
-fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial {
-    let name = format!("defect::{}::{}", scenario.id(), defect);
+fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool, api: Api) -> Trial {
+    let name = format!("{}defect::{}::{}", prefix(api), scenario.id(), defect);
     Trial::ignorable_test(name, move || {
         let store = if postgres {
             Store::PostgresDefect(&defect)
         } else {
             Store::Defect(&defect)
         };
-        match run(&scenario, store) {
+        match run(&scenario, store, api) {
             Outcome::Fail { step, reason } => {
                 // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
                 // failed for the reason the defect implies.
@@ -139,11 +143,30 @@ fn must_fail(scenario: LoadedScenario, defect: String, postgres: bool) -> Trial 
     })
 }
 
+/// Trial names of the `/v1` profile are bare (`sqlite::<ID>`); other profiles' carry the
+/// profile's name first (`e2b::sqlite::<ID>`).
+fn prefix(api: Api) -> String {
+    match api {
+        Api::V1 => String::new(),
+        other => format!("{}::", other.name()),
+    }
+}
+
+/// Whether a loaded scenario belongs to `api`'s catalog.
+fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
+    let e2b = s.file.starts_with(Api::E2b.catalog(root));
+    e2b == (api == Api::E2b)
+}
+
 fn main() {
     let args = Arguments::from_args();
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-    // A broken file becomes a failing `parse::<file>` test; the rest still run.
-    let (scenarios, errors) = load_dir_partial(&dir);
+    // A broken file becomes a failing `parse::<file>` test; the rest still run. Each
+    // profile's catalog is loaded on its own (the `/v1` one leaves the others' folders out).
+    let (mut scenarios, mut errors) = load_dir_partial(&dir);
+    let (e2b, e2b_errors) = load_dir_partial(&Api::E2b.catalog(&dir));
+    scenarios.extend(e2b);
+    errors.extend(e2b_errors);
     let mut trials = Vec::new();
     for e in errors {
         let file = e
@@ -157,20 +180,24 @@ fn main() {
             Err(Failed::from(message))
         }));
     }
-    for s in &scenarios {
-        trials.push(must_pass(
-            format!("sqlite::{}", s.id()),
-            s.clone(),
-            Store::Sqlite,
-        ));
-        trials.push(must_pass(
-            format!("postgres::{}", s.id()),
-            s.clone(),
-            Store::Postgres,
-        ));
-        let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
-        for defect in &s.scenario.defects {
-            trials.push(must_fail(s.clone(), defect.value.clone(), needs_peer));
+    for api in [Api::V1, Api::E2b] {
+        for s in scenarios.iter().filter(|s| in_catalog(s, &dir, api)) {
+            trials.push(must_pass(
+                format!("{}sqlite::{}", prefix(api), s.id()),
+                s.clone(),
+                Store::Sqlite,
+                api,
+            ));
+            trials.push(must_pass(
+                format!("{}postgres::{}", prefix(api), s.id()),
+                s.clone(),
+                Store::Postgres,
+                api,
+            ));
+            let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
+            for defect in &s.scenario.defects {
+                trials.push(must_fail(s.clone(), defect.value.clone(), needs_peer, api));
+            }
         }
     }
     let conclusion = libtest_mimic::run(&args, trials);

@@ -21,6 +21,12 @@ pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
 /// Pages an absence check or snapshot reads at most.
 const MAX_PAGES: usize = 50;
 
+/// Whether a header carries a credential in some profile (`Authorization`, `X-API-Key`):
+/// a scenario that sets one sends it instead of the principal's, and it is never recorded.
+pub(super) fn is_credential_header(name: &str) -> bool {
+    name.eq_ignore_ascii_case("authorization") || name.eq_ignore_ascii_case("x-api-key")
+}
+
 pub(super) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -131,7 +137,7 @@ impl<'a> Ctx<'a> {
         let mut headers = vec![(CANARY_HEADER.to_owned(), self.target.canary.clone())];
         let mut literal_auth = false;
         for (k, v) in &r.headers {
-            if k.eq_ignore_ascii_case("authorization") {
+            if is_credential_header(k) {
                 literal_auth = true;
             }
             headers.push((k.clone(), self.vars.render(v)?));
@@ -200,7 +206,8 @@ impl<'a> Ctx<'a> {
         if !p.literal_auth
             && let Some(token) = self.token(p.principal)
         {
-            b = b.bearer_auth(token);
+            let (name, value) = self.target.api.credential(token);
+            b = b.header(name, value);
         }
         for (k, v) in &p.headers {
             b = b.header(k.as_str(), v.as_str());
@@ -247,7 +254,7 @@ impl<'a> Ctx<'a> {
             request_headers: p
                 .headers
                 .iter()
-                .filter(|(k, _)| !k.eq_ignore_ascii_case("authorization"))
+                .filter(|(k, _)| !is_credential_header(k))
                 .cloned()
                 .collect(),
             request_body: p.body.as_ref().map(|(b, _)| Body::of(b)),

@@ -175,6 +175,13 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             let advertised = target.capabilities.raw["features"]
                 .as_array()
                 .is_some_and(|f| f.iter().any(|f| f.as_str() == Some(cap.value.as_str())));
+            if !target.api.has_capabilities_endpoint() {
+                return Some(format!(
+                    "{} targets advertise no capabilities and `{}` was not assumed (--assume-capability)",
+                    target.api.name(),
+                    cap.value
+                ));
+            }
             return Some(if advertised {
                 format!("`{}` dropped by --drop-capability", cap.value)
             } else {

@@ -210,10 +210,22 @@ pub fn load_dir_partial(root: &Path) -> (Vec<LoadedScenario>, Vec<ParseError>) {
 }
 
 fn collect_yaml(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    collect_yaml_in(dir, true, out)
+}
+
+/// At the catalog root, the folders of other protocol profiles (`e2b/`) are their own
+/// catalogs and are left out.
+fn collect_yaml_in(dir: &Path, root: bool, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
-            collect_yaml(&path, out)?;
+            let profile_folder = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| crate::profile::Api::profile_folders().contains(&n));
+            if !(root && profile_folder) {
+                collect_yaml_in(&path, false, out)?;
+            }
         } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
             out.push(path);
         }
@@ -266,7 +278,17 @@ impl Checker<'_> {
             );
         }
         for clause in &s.clauses {
-            if !clause_re.is_match(&clause.value) {
+            if clause.value.starts_with("E2B-") {
+                if !crate::profile::is_e2b_clause(&clause.value) {
+                    self.err(
+                        Pos::of(clause),
+                        format!(
+                            "clause `{}` is not defined in docs/profiles/e2b.md",
+                            clause.value
+                        ),
+                    );
+                }
+            } else if !clause_re.is_match(&clause.value) {
                 self.err(
                     Pos::of(clause),
                     format!(

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use super::StepKind;
-use crate::engine::context::{Ctx, StepError, exchange, ms};
+use crate::engine::context::{Ctx, StepError, exchange, is_credential_header, ms};
 use crate::engine::expect::{Observed, check_headers, problem_code};
 use crate::engine::transcript::{Body, Entry, HttpExchange, record_headers};
 use crate::engine::vars::Vars;
@@ -64,7 +64,7 @@ impl Ctx<'_> {
                 request_headers: pr
                     .headers
                     .iter()
-                    .filter(|(k, _)| !k.eq_ignore_ascii_case("authorization"))
+                    .filter(|(k, _)| !is_credential_header(k))
                     .cloned()
                     .collect(),
                 request_body: pr.body.as_ref().map(|(b, _)| Body::of(b)),

@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use super::{StepKind, expects_2xx, secs, via_suffix};
 use crate::engine::context::{
-    CANARY_HEADER, Ctx, Prepared, StepError, ms, with_problem, with_query,
+    CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, ms, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, check_response, json_check, status_ok};
 use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
@@ -73,7 +73,7 @@ impl Ctx<'_> {
         ];
         let mut literal_auth = false;
         for (k, v) in &s.headers {
-            literal_auth |= k.eq_ignore_ascii_case("authorization");
+            literal_auth |= is_credential_header(k);
             headers.push((k.clone(), self.vars.render(v)?));
         }
         let last_event_id = s
