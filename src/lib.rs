@@ -7,6 +7,8 @@
 //!   variables and malformed IDs are errors that point at `file:line:col`.
 //! - [`sse`]: an incremental, spec-strict server-sent events parser over raw bytes, and a
 //!   client that reads a stream with timings.
+//! - [`connect`]: the Connect protocol's server-stream envelopes (JSON codec), parsed
+//!   incrementally and strictly, each framing fault located.
 //! - [`engine`]: runs one parsed scenario against a [`target::Target`]: steps, expectations,
 //!   captures, the transcript, cleanup, and the outcome.
 //! - [`target`]: where scenarios run: the reference server started as a child process, or a
@@ -28,6 +30,7 @@
 //! principal authenticated them, not the token.
 
 pub mod cli;
+pub mod connect;
 pub mod engine;
 pub mod evidence;
 pub mod live;
