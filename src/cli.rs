@@ -53,6 +53,11 @@ pub struct RunArgs {
     /// `X-API-Key`; the target's support is what `--assume-capability` says).
     #[arg(long, value_enum, default_value_t = crate::profile::Api::V1)]
     pub api: crate::profile::Api,
+    /// E2B's envd domain: reach envd at `https://49983-<sandboxID>.<DOMAIN>`, as the SDK does
+    /// against E2B's cloud (`e2b.app`). Without it envd is reached on `--target` with the
+    /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
+    #[arg(long, value_name = "DOMAIN", requires = "target")]
+    pub envd_domain: Option<String>,
     /// Base URL of the implementation under test. Without it the runner starts the reference
     /// server itself (SQLite in a temporary directory, port 0, test controls on).
     #[arg(long, value_name = "URL")]
@@ -470,6 +475,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     };
     let mut target = target;
     target.request_timeout = args.request_timeout;
+    target.envd_domain.clone_from(&args.envd_domain);
     target
         .capabilities
         .override_features(&args.assume_capability, &args.drop_capability)

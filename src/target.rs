@@ -210,6 +210,10 @@ pub struct Target {
     /// The protocol profile the run speaks: where credentials go, and whether capabilities
     /// were read from the target or only told (`--api`).
     pub api: crate::profile::Api,
+    /// E2B's envd domain (`--envd-domain`): envd is then reached at
+    /// `https://49983-<sandboxID>.<domain>`; without it, on the base URL with the routing
+    /// headers.
+    pub envd_domain: Option<String>,
     /// The run's canary secret: sent with every request (header `X-Sandspec-Canary`) and in
     /// request bodies through `{{canary}}`. Evidence in which it survives is never written.
     pub canary: String,
@@ -342,6 +346,7 @@ impl Target {
             tokens,
             capabilities: Capabilities::default(),
             api,
+            envd_domain: None,
             ca,
             peer: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
@@ -376,6 +381,7 @@ impl Target {
             tokens,
             capabilities,
             api: crate::profile::Api::V1,
+            envd_domain: None,
             ca,
             peer: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
@@ -422,6 +428,7 @@ impl Target {
             tokens,
             capabilities,
             api: crate::profile::Api::V1,
+            envd_domain: None,
             ca: None,
             peer,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,

@@ -12,6 +12,7 @@ use super::context::{Ctx, StepError};
 use crate::scenario::{Expect, Request, Step, Via};
 
 mod absent;
+mod connect;
 mod digest;
 mod parallel;
 mod poll;
@@ -70,6 +71,7 @@ macro_rules! dispatch {
             Step::Parallel($k) => $body,
             Step::Sleep($k) => $body,
             Step::Absent($k) => $body,
+            Step::Connect($k) => $body,
         }
     };
 }

@@ -476,6 +476,47 @@ impl Checker<'_> {
                     self.template(t, scope, ctx);
                 }
             }
+            Step::Connect(c) => {
+                self.template(&c.sandbox, scope, ctx);
+                if let Some(t) = &c.access_token {
+                    self.template(t, scope, ctx);
+                }
+                if let Some(n) = &c.within_s {
+                    self.num(n, scope, ctx);
+                }
+                let rpc_re = Regex::new(
+                    r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.[A-Z][A-Za-z0-9]*/[A-Z][A-Za-z0-9]*$",
+                )
+                .expect("static regex");
+                if !rpc_re.is_match(&c.rpc.value) {
+                    self.err(
+                        Pos::of(&c.rpc),
+                        format!(
+                            "rpc `{}` must look like `process.Process/Start`",
+                            c.rpc.value
+                        ),
+                    );
+                }
+                for check in &c.json {
+                    self.json_check(check, scope, ctx);
+                }
+                for (name, cap) in &c.capture {
+                    if cap.value.json.is_none()
+                        || cap.value.header.is_some()
+                        || cap.value.body.is_some()
+                        || cap.value.regex.is_some()
+                    {
+                        self.err(
+                            Pos::of(cap),
+                            "a `connect` capture takes only `json: <pointer>`",
+                        );
+                    }
+                    if cap.value.secret {
+                        scope.secrets.insert(name.clone());
+                    }
+                    self.define_capture(name, Pos::of(cap), scope);
+                }
+            }
         }
     }
 
