@@ -73,10 +73,23 @@ pub(super) fn created_by(
     let Ok(json) = obs.json() else {
         return Vec::new();
     };
+    let path = target.split('?').next().unwrap_or_default();
+    // E2B's creates (the E2B profile) name the sandbox `sandboxID`; it is gone when
+    // `GET /sandboxes/{id}` answers 404. Resume and connect answer 201 for an existing one.
+    if matches!(path, "/sandboxes" | "/v2/sandboxes")
+        && let Some(id) = json.get("sandboxID").and_then(Value::as_str)
+    {
+        return vec![Created {
+            kind: Kind::Sandbox,
+            path: format!("/sandboxes/{id}"),
+            principal,
+            sandbox: None,
+            token: None,
+        }];
+    }
     let Some(id) = json.get("id").and_then(Value::as_str) else {
         return Vec::new();
     };
-    let path = target.split('?').next().unwrap_or_default();
     let entry = |kind, path: String, sandbox: Option<String>| Created {
         kind,
         path,
@@ -306,6 +319,19 @@ mod tests {
             .into_iter()
             .map(|c| (c.kind, c.path, c.sandbox))
             .collect()
+    }
+
+    #[test]
+    fn the_ledger_knows_e2b_creates_and_not_resumes() {
+        let sbx = created(201, serde_json::json!({"sandboxID": "abc1"}));
+        for create in ["/sandboxes", "/v2/sandboxes"] {
+            assert_eq!(
+                paths(Method::Post, create, &sbx),
+                [(Kind::Sandbox, "/sandboxes/abc1".into(), None)]
+            );
+        }
+        assert!(paths(Method::Post, "/sandboxes/abc1/connect", &sbx).is_empty());
+        assert!(paths(Method::Post, "/sandboxes/abc1/resume", &sbx).is_empty());
     }
 
     #[test]
