@@ -66,11 +66,17 @@ pub fn is_e2b_clause(id: &str) -> bool {
 
 /// Every clause ID the E2B clause document defines.
 pub fn e2b_clauses() -> impl Iterator<Item = &'static str> {
-    E2B_CLAUSES_DOC.lines().filter_map(|line| {
-        let rest = line.strip_prefix("| `")?;
-        let (id, _) = rest.split_once('`')?;
-        id.starts_with("E2B-").then_some(id)
-    })
+    // The first table after the `## Clauses` heading, and nothing else of the page.
+    E2B_CLAUSES_DOC
+        .lines()
+        .skip_while(|line| *line != "## Clauses")
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .filter_map(|line| {
+            let rest = line.strip_prefix("| `")?;
+            let (id, _) = rest.split_once('`')?;
+            id.starts_with("E2B-").then_some(id)
+        })
 }
 
 #[cfg(test)]
@@ -83,6 +89,8 @@ mod tests {
         assert!(is_e2b_clause("E2B-AUTH-1"));
         assert!(!is_e2b_clause("E2B-AUTH-999"));
         assert!(!is_e2b_clause("SBX-3.1"));
+        // The catalog's table further down names scenarios, not clauses.
+        assert!(!is_e2b_clause("E2B-LIFE-001"));
     }
 
     #[test]
