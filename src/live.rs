@@ -500,7 +500,11 @@ mod tests {
     fn every_create_in_the_catalog_is_tagged() {
         use crate::scenario::{Method, Request, Step};
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-        let catalog = crate::scenario::load_dir(&dir).expect("the catalog parses");
+        let mut catalog = crate::scenario::load_dir(&dir).expect("the catalog parses");
+        catalog.extend(
+            crate::scenario::load_dir(&crate::profile::Api::E2b.catalog(&dir))
+                .expect("the E2B catalog parses"),
+        );
         let tagged = |v: Option<&Value>| {
             v.and_then(|m| m.get(RUN_TAG)).and_then(Value::as_str) == Some("{{run_id}}")
         };
@@ -527,7 +531,9 @@ mod tests {
                 }
                 let body = r.json.as_ref().map(|j| &j.value);
                 let ok = match r.path.raw.as_str() {
-                    "/v1/sandboxes" => tagged(body.and_then(|b| b.get("metadata"))),
+                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" => {
+                        tagged(body.and_then(|b| b.get("metadata")))
+                    }
                     "/v1/sessions" => {
                         tagged(body.and_then(|b| b.get("metadata")))
                             && body
