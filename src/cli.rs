@@ -50,6 +50,16 @@ fn default_scenarios_dir() -> PathBuf {
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
 pub struct RunArgs {
+    /// The protocol to certify: sandspec's `/v1`, or E2B's control plane and envd (its
+    /// catalog is the `e2b/` folder of the scenario directory; credentials go in
+    /// `X-API-Key`; the target's support is what `--assume-capability` says).
+    #[arg(long, value_enum, default_value_t = crate::profile::Api::V1)]
+    pub api: crate::profile::Api,
+    /// E2B's envd domain: reach envd at `https://49983-<sandboxID>.<DOMAIN>`, as the SDK does
+    /// against E2B's cloud (`e2b.app`). Without it envd is reached on `--target` with the
+    /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
+    #[arg(long, value_name = "DOMAIN", requires = "target")]
+    pub envd_domain: Option<String>,
     /// Base URL of the implementation under test. Without it the runner starts the reference
     /// server itself (SQLite in a temporary directory, port 0, test controls on).
     #[arg(long, value_name = "URL")]
@@ -136,6 +146,9 @@ pub struct RunArgs {
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
 pub struct ListArgs {
+    /// The protocol profile whose catalog to list.
+    #[arg(long, value_enum, default_value_t = crate::profile::Api::V1)]
+    pub api: crate::profile::Api,
     /// Scenario catalog directory.
     #[arg(long, value_name = "DIR", default_value_os_t = default_scenarios_dir())]
     pub scenarios: PathBuf,
@@ -326,7 +339,7 @@ fn print_parse_errors(errors: &[ParseError]) {
 
 /// `sandspec list`: ID, level, clauses, title; then the MUST clauses no listed scenario cites.
 pub fn list(args: &ListArgs) -> ExitCode {
-    let scenarios = match load_dir(&args.scenarios) {
+    let scenarios = match load_dir(&args.api.catalog(&args.scenarios)) {
         Ok(s) => s,
         Err(errors) => {
             print_parse_errors(&errors);
@@ -442,7 +455,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     crate::target::Capabilities::default()
         .override_features(&args.assume_capability, &args.drop_capability)
         .map_err(RunError::Usage)?;
-    let all = load_dir(&args.scenarios).map_err(RunError::Parse)?;
+    let all = load_dir(&args.api.catalog(&args.scenarios)).map_err(RunError::Parse)?;
     let families: std::collections::BTreeSet<&str> =
         all.iter().map(|s| s.family.as_str()).collect();
     if args.profile != "all" && !families.contains(args.profile.as_str()) {
@@ -491,7 +504,8 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 .other_token_env
                 .as_deref()
                 .ok_or_else(|| RunError::Usage("--target needs --other-token-env".into()))?;
-            let t = Target::connect_url(
+            let t = Target::connect_url_for(
+                args.api,
                 url,
                 owner,
                 other,
@@ -519,11 +533,15 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 extra_args: Vec::new(),
                 serve_defaults: false,
             };
-            (Target::start_reference(&options).await?, "reference")
+            (
+                Target::start_reference(&options).await?.speaking(args.api),
+                "reference",
+            )
         }
     };
     let mut target = target;
     target.request_timeout = args.request_timeout;
+    target.envd_domain.clone_from(&args.envd_domain);
     target
         .capabilities
         .override_features(&args.assume_capability, &args.drop_capability)

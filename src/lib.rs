@@ -7,6 +7,8 @@
 //!   variables and malformed IDs are errors that point at `file:line:col`.
 //! - [`sse`]: an incremental, spec-strict server-sent events parser over raw bytes, and a
 //!   client that reads a stream with timings.
+//! - [`connect`]: the Connect protocol's server-stream envelopes (JSON codec), parsed
+//!   incrementally and strictly, each framing fault located.
 //! - [`engine`]: runs one parsed scenario against a [`target::Target`]: steps, expectations,
 //!   captures, the transcript, cleanup, and the outcome.
 //! - [`target`]: where scenarios run: the reference server started as a child process, or a
@@ -17,6 +19,8 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
+//! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
+//!   clause document and how a target's support is learned.
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
@@ -26,9 +30,11 @@
 //! principal authenticated them, not the token.
 
 pub mod cli;
+pub mod connect;
 pub mod engine;
 pub mod evidence;
 pub mod live;
+pub mod profile;
 pub mod report;
 pub mod scenario;
 pub mod sse;

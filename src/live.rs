@@ -202,7 +202,10 @@ async fn remove(target: &Target, token: &str, path: &str) -> bool {
     let deleted = target
         .client
         .delete(&url)
-        .bearer_auth(token)
+        .header(
+            target.api.credential(token).0,
+            target.api.credential(token).1,
+        )
         .timeout(target.request_timeout)
         .send()
         .await;
@@ -214,7 +217,10 @@ async fn remove(target: &Target, token: &str, path: &str) -> bool {
         let status = target
             .client
             .get(&url)
-            .bearer_auth(token)
+            .header(
+                target.api.credential(token).0,
+                target.api.credential(token).1,
+            )
             .timeout(target.request_timeout)
             .send()
             .await
@@ -247,6 +253,9 @@ fn urlencode(s: &str) -> String {
 /// records without the tag are counted as ignored and never touched. Anything found is a
 /// cleanup failure of the run.
 pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
+    if target.api == crate::profile::Api::E2b {
+        return sweep_run_e2b(target, run_id).await;
+    }
     let mut sweep = RunSweep::default();
     let mut errors = Vec::new();
     let principals = [
@@ -291,6 +300,103 @@ pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
         sweep.error = Some(errors.join("; "));
     }
     sweep
+}
+
+/// The end-of-run sweep of an E2B target: for every principal, the running and paused
+/// sandboxes `GET /v2/sandboxes` lists with the run's `sandspec_run` metadata; only a
+/// record's own metadata decides, and each one found is killed and confirmed gone.
+async fn sweep_run_e2b(target: &Target, run_id: &str) -> RunSweep {
+    const LIST: &str = "/v2/sandboxes";
+    let mut sweep = RunSweep::default();
+    let mut errors = Vec::new();
+    let principals = [
+        ("owner", target.tokens.owner.as_str()),
+        ("other", target.tokens.other.as_str()),
+    ];
+    for (principal, token) in principals {
+        let records = match list_all_e2b(target, token, run_id).await {
+            Ok(r) => r,
+            Err(e) => {
+                errors.push(format!("{e} (as {principal})"));
+                continue;
+            }
+        };
+        let mut ignored = 0;
+        for record in &records {
+            let Some(id) = record.get("sandboxID").and_then(Value::as_str) else {
+                ignored += 1;
+                continue;
+            };
+            if tag_of(record) != Some(run_id) {
+                ignored += 1;
+                continue;
+            }
+            let path = format!("/sandboxes/{}", urlencode(id));
+            let removed = remove(target, token, &path).await;
+            sweep.found.push(Leftover { path, removed });
+        }
+        if ignored > 0 {
+            sweep.ignored.push(Ignored {
+                principal: principal.to_owned(),
+                list: LIST.to_owned(),
+                filtered: true,
+                count: ignored,
+            });
+        }
+    }
+    if !errors.is_empty() {
+        sweep.error = Some(errors.join("; "));
+    }
+    sweep
+}
+
+/// Every page of `GET /v2/sandboxes` filtered by the run's tag, as `token`.
+async fn list_all_e2b(target: &Target, token: &str, run_id: &str) -> Result<Vec<Value>, String> {
+    const LIST: &str = "/v2/sandboxes";
+    let mut out = Vec::new();
+    let mut next: Option<String> = None;
+    for _ in 0..1000 {
+        let mut url = reqwest::Url::parse(&format!("{}{LIST}", target.base_url))
+            .map_err(|e| format!("GET {LIST}: {e}"))?;
+        {
+            let mut q = url.query_pairs_mut();
+            q.append_pair("limit", "100");
+            q.append_pair("state", "running,paused");
+            q.append_pair("metadata", &format!("{RUN_TAG}={run_id}"));
+            if let Some(t) = &next {
+                q.append_pair("nextToken", t);
+            }
+        }
+        let resp = target
+            .client
+            .get(url)
+            .header("X-API-Key", token)
+            .timeout(target.request_timeout)
+            .send()
+            .await
+            .map_err(|e| format!("GET {LIST}: {}", why(target, &e)))?;
+        if !resp.status().is_success() {
+            return Err(format!("GET {LIST}: status {}", resp.status()));
+        }
+        next = resp
+            .headers()
+            .get("x-next-token")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned);
+        let page: Value = resp
+            .json()
+            .await
+            .map_err(|e| format!("GET {LIST}: {}", why(target, &e)))?;
+        let items = page
+            .as_array()
+            .ok_or_else(|| format!("GET {LIST}: not an array"))?;
+        out.extend(items.iter().cloned());
+        if next.is_none() {
+            return Ok(out);
+        }
+    }
+    Err(format!("GET {LIST}: more than 1000 pages"))
 }
 
 /// `sandspec sweep`: removes the sessions and sandboxes visible to `token` whose own record
@@ -394,7 +500,11 @@ mod tests {
     fn every_create_in_the_catalog_is_tagged() {
         use crate::scenario::{Method, Request, Step};
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-        let catalog = crate::scenario::load_dir(&dir).expect("the catalog parses");
+        let mut catalog = crate::scenario::load_dir(&dir).expect("the catalog parses");
+        catalog.extend(
+            crate::scenario::load_dir(&crate::profile::Api::E2b.catalog(&dir))
+                .expect("the E2B catalog parses"),
+        );
         let tagged = |v: Option<&Value>| {
             v.and_then(|m| m.get(RUN_TAG)).and_then(Value::as_str) == Some("{{run_id}}")
         };
@@ -421,7 +531,9 @@ mod tests {
                 }
                 let body = r.json.as_ref().map(|j| &j.value);
                 let ok = match r.path.raw.as_str() {
-                    "/v1/sandboxes" => tagged(body.and_then(|b| b.get("metadata"))),
+                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" => {
+                        tagged(body.and_then(|b| b.get("metadata")))
+                    }
                     "/v1/sessions" => {
                         tagged(body.and_then(|b| b.get("metadata")))
                             && body

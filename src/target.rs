@@ -214,6 +214,13 @@ pub struct Target {
     pub client: reqwest::Client,
     pub tokens: Tokens,
     pub capabilities: Capabilities,
+    /// The protocol profile the run speaks: where credentials go, and whether capabilities
+    /// were read from the target or only told (`--api`).
+    pub api: crate::profile::Api,
+    /// E2B's envd domain (`--envd-domain`): envd is then reached at
+    /// `https://49983-<sandboxID>.<domain>`; without it, on the base URL with the routing
+    /// headers.
+    pub envd_domain: Option<String>,
     /// The run's canary secret: sent with every request (header `X-Sandspec-Canary`) and in
     /// request bodies through `{{canary}}`. Evidence in which it survives is never written.
     pub canary: String,
@@ -286,8 +293,30 @@ impl Target {
         build_client(self.ca.as_ref())
     }
 
-    /// A target at `base_url`, with tokens from the named environment variables.
+    /// A `/v1` target at `base_url`, with tokens from the named environment variables.
     pub async fn connect_url(
+        base_url: &str,
+        owner_env: &str,
+        other_env: &str,
+        admin_env: Option<&str>,
+        ca_file: Option<&Path>,
+    ) -> Result<Target, TargetError> {
+        Target::connect_url_for(
+            crate::profile::Api::V1,
+            base_url,
+            owner_env,
+            other_env,
+            admin_env,
+            ca_file,
+        )
+        .await
+    }
+
+    /// A target at `base_url` speaking `api`, with tokens from the named environment
+    /// variables. An E2B target has no capabilities endpoint: it supports what the run is
+    /// told (`--assume-capability`) and nothing else.
+    pub async fn connect_url_for(
+        api: crate::profile::Api,
         base_url: &str,
         owner_env: &str,
         other_env: &str,
@@ -315,7 +344,36 @@ impl Target {
             }
             None => None,
         };
-        Target::connect_with_tokens(base_url, tokens, ca).await
+        if api.has_capabilities_endpoint() {
+            return Target::connect_with_tokens(base_url, tokens, ca).await;
+        }
+        let base_url = checked_base_url(base_url)?;
+        let client = build_client(ca.as_ref())?;
+        Ok(Target {
+            canary: crate::evidence::new_canary(),
+            base_url,
+            client,
+            tokens,
+            capabilities: Capabilities::default(),
+            api,
+            envd_domain: None,
+            ca,
+            peer: None,
+            wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            _server: None,
+        })
+    }
+
+    /// The same target speaking `api`. For a profile without a capabilities endpoint what
+    /// was read from `/v1/capabilities` is forgotten, so that the reference is judged as any
+    /// target of that profile is.
+    pub fn speaking(mut self, api: crate::profile::Api) -> Target {
+        if !api.has_capabilities_endpoint() {
+            self.capabilities = Capabilities::default();
+        }
+        self.api = api;
+        self
     }
 
     /// A target at `base_url` with the given tokens, trusting only `ca` when given.
@@ -333,6 +391,8 @@ impl Target {
             client,
             tokens,
             capabilities,
+            api: crate::profile::Api::V1,
+            envd_domain: None,
             ca,
             peer: None,
             wait_budget: None,
@@ -379,6 +439,8 @@ impl Target {
             client,
             tokens,
             capabilities,
+            api: crate::profile::Api::V1,
+            envd_domain: None,
             ca: None,
             peer,
             wait_budget: None,

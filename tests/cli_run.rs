@@ -762,3 +762,108 @@ async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
     assert_eq!(session, "skip");
     assert_eq!(reason, "`fixture_models` dropped by --drop-capability");
 }
+
+/// The `all` profile's verdict and the scenario IDs of the receipt in `out`.
+fn verdict_and_ids(out: &std::path::Path) -> (String, Vec<String>) {
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let report = &receipt["predicate"];
+    let all = report["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["profile"] == "all")
+        .unwrap();
+    let ids = report["scenarios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect();
+    (all["verdict"].as_str().unwrap().to_owned(), ids)
+}
+
+#[tokio::test]
+async fn e2b_profile_is_conformant_on_a_separate_server_and_a_defect_is_not() {
+    let dir = tempfile::tempdir().unwrap();
+    // The whole E2B catalog against a separately started server, tokens from the environment.
+    let server = ReferenceServer::start(&ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    })
+    .await
+    .unwrap();
+    // SAFETY: set once, before any thread reads them; the names are unique to this test.
+    unsafe {
+        std::env::set_var("SANDSPEC_CLI_E2B_OWNER", &server.tokens.owner);
+        std::env::set_var("SANDSPEC_CLI_E2B_OTHER", &server.tokens.other);
+    }
+    let clean = dir.path().join("clean");
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--api",
+        "e2b",
+        "--target",
+        &server.url,
+        "--owner-token-env",
+        "SANDSPEC_CLI_E2B_OWNER",
+        "--other-token-env",
+        "SANDSPEC_CLI_E2B_OTHER",
+        "--out",
+        &clean.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(0));
+    assert_eq!(
+        sandspec::evidence::verify_cli(&clean, None),
+        0,
+        "the folder verifies"
+    );
+    let (verdict, ids) = verdict_and_ids(&clean);
+    assert_eq!(verdict, "conformant");
+    assert!(ids.len() >= 5, "{ids:?}");
+    assert!(ids.iter().all(|id| id.starts_with("E2B-")), "{ids:?}");
+    let evidence = std::fs::read_dir(&clean)
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap_or_default())
+        .collect::<String>();
+    assert!(
+        !evidence.contains(&server.tokens.owner),
+        "an API key reached the evidence"
+    );
+
+    // A server with an E2B defect: the scenario it breaks fails, exit 1.
+    let defective = ReferenceServer::start(&ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        defects: vec!["e2b-foreign-sandbox-403".into()],
+        ..ReferenceOptions::default()
+    })
+    .await
+    .unwrap();
+    // SAFETY: as above.
+    unsafe {
+        std::env::set_var("SANDSPEC_CLI_E2B_BROKEN_OWNER", &defective.tokens.owner);
+        std::env::set_var("SANDSPEC_CLI_E2B_BROKEN_OTHER", &defective.tokens.other);
+    }
+    let broken = dir.path().join("broken");
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--api",
+        "e2b",
+        "--target",
+        &defective.url,
+        "--owner-token-env",
+        "SANDSPEC_CLI_E2B_BROKEN_OWNER",
+        "--other-token-env",
+        "SANDSPEC_CLI_E2B_BROKEN_OTHER",
+        "--filter",
+        "E2B-OWN-001",
+        "--out",
+        &broken.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
+    let (verdict, ids) = verdict_and_ids(&broken);
+    assert_eq!(verdict, "non-conformant");
+    assert_eq!(ids, ["E2B-OWN-001"]);
+}

@@ -3,7 +3,9 @@
 //! PostgreSQL is not installed), and every (scenario, defect) pair against a SQLite server
 //! started with that defect, where the scenario must FAIL at the step it names for that defect
 //! (`defect::<ID>::<defect>`); `controls::every-defect-caught` checks that every defect of the
-//! reference server is some MUST scenario's control.
+//! reference server is some MUST scenario's control. The E2B catalog (`scenarios/e2b/`) runs
+//! the same way against the reference speaking E2B, its trials named `e2b::sqlite::<ID>`,
+//! `e2b::postgres::<ID>` and `e2b::defect::<ID>::<defect>`.
 //!
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
@@ -22,6 +24,7 @@ use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 use reference_server::defects::Defect;
 use sandspec::engine::{Outcome, run_scenario};
+use sandspec::profile::Api;
 use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
@@ -56,24 +59,25 @@ const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for a clean `store`; `None` when PostgreSQL is not
 /// installed.
-fn server(store: Store<'_>) -> Option<Arc<Target>> {
+fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
         Store::Defect(d) => format!("defect:{d}"),
         Store::PostgresDefect(d) => format!("postgres-defect:{d}"),
     };
+    let key = format!("{}:{key}", api.name());
     let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
-    let target = Arc::new(start(store)?);
+    let target = Arc::new(start(store, api)?);
     servers.insert(key, target.clone());
     Some(target)
 }
 
 /// Starts a reference server for `store`; `None` when PostgreSQL is not installed.
-fn start(store: Store<'_>) -> Option<Target> {
+fn start(store: Store<'_>, api: Api) -> Option<Target> {
     let database_url = match store {
         Store::Postgres | Store::PostgresDefect(_) => {
             Some(reference_server::testing::PgCluster::shared_or_skip()?.fresh_database_blocking())
@@ -93,12 +97,12 @@ fn start(store: Store<'_>) -> Option<Target> {
     let target = RUNTIME
         .block_on(Target::start_reference(&options))
         .unwrap_or_else(|e| panic!("failed to start the reference server: {e}"));
-    Some(target)
+    Some(target.speaking(api))
 }
 
 /// Runs `scenario` on the shared clean server of `store`.
-fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
-    let Some(target) = server(store) else {
+fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
+    let Some(target) = server(store, api) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
@@ -108,8 +112,8 @@ fn run(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
 
 /// Runs `scenario` on a server of its own, stopped afterwards: a negative control must fail
 /// where it says, whatever other scenarios left on a server with the same defect.
-fn run_alone(scenario: &LoadedScenario, store: Store<'_>) -> Outcome {
-    let Some(target) = start(store) else {
+fn run_alone(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
+    let Some(target) = start(store, api) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
@@ -132,8 +136,8 @@ fn run_on(target: &Target, scenario: &LoadedScenario) -> Outcome {
 }
 
 /// A trial that must pass (a skip is reported as ignored, with its reason).
-fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> Trial {
-    Trial::ignorable_test(name, move || match run(&scenario, store) {
+fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>, api: Api) -> Trial {
+    Trial::ignorable_test(name, move || match run(&scenario, store, api) {
         Outcome::Pass => Ok(Completion::Completed),
         Outcome::Skip { reason } => Ok(Completion::ignored_with(reason)),
         other => Err(Failed::from(other.to_string())),
@@ -143,9 +147,9 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>) -> T
 /// A negative control: the scenario must FAIL against a server with `defect`, at the step
 /// the scenario names for it and not earlier (on PostgreSQL when `postgres`, where a missing
 /// PostgreSQL makes the trial ignored; any other skip fails).
-fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool) -> Trial {
+fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool, api: Api) -> Trial {
     let defect = control.defect.value.clone();
-    let name = format!("defect::{}::{}", scenario.id(), defect);
+    let name = format!("{}defect::{}::{}", prefix(api), scenario.id(), defect);
     Trial::ignorable_test(name, move || {
         let expected = scenario.scenario.fails_at(&control).ok_or_else(|| {
             format!(
@@ -158,7 +162,7 @@ fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool) -> Tr
         } else {
             Store::Defect(&defect)
         };
-        match run_alone(&scenario, store) {
+        match run_alone(&scenario, store, api) {
             Outcome::Fail { step, reason } => {
                 // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
                 // failed for the reason the defect implies.
@@ -237,11 +241,30 @@ fn every_defect_is_caught(scenarios: &[LoadedScenario]) -> Vec<Trial> {
     vec![every, named]
 }
 
+/// Trial names of the `/v1` profile are bare (`sqlite::<ID>`); other profiles' carry the
+/// profile's name first (`e2b::sqlite::<ID>`).
+fn prefix(api: Api) -> String {
+    match api {
+        Api::V1 => String::new(),
+        other => format!("{}::", other.name()),
+    }
+}
+
+/// Whether a loaded scenario belongs to `api`'s catalog.
+fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
+    let e2b = s.file.starts_with(Api::E2b.catalog(root));
+    e2b == (api == Api::E2b)
+}
+
 fn main() {
     let args = Arguments::from_args();
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-    // A broken file becomes a failing `parse::<file>` test; the rest still run.
-    let (scenarios, errors) = load_dir_partial(&dir);
+    // A broken file becomes a failing `parse::<file>` test; the rest still run. Each
+    // profile's catalog is loaded on its own (the `/v1` one leaves the others' folders out).
+    let (mut scenarios, mut errors) = load_dir_partial(&dir);
+    let (e2b, e2b_errors) = load_dir_partial(&Api::E2b.catalog(&dir));
+    scenarios.extend(e2b);
+    errors.extend(e2b_errors);
     let mut trials = Vec::new();
     for e in errors {
         let file = e
@@ -255,20 +278,24 @@ fn main() {
             Err(Failed::from(message))
         }));
     }
-    for s in &scenarios {
-        trials.push(must_pass(
-            format!("sqlite::{}", s.id()),
-            s.clone(),
-            Store::Sqlite,
-        ));
-        trials.push(must_pass(
-            format!("postgres::{}", s.id()),
-            s.clone(),
-            Store::Postgres,
-        ));
-        let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
-        for control in &s.scenario.defects {
-            trials.push(must_fail(s.clone(), control.clone(), needs_peer));
+    for api in [Api::V1, Api::E2b] {
+        for s in scenarios.iter().filter(|s| in_catalog(s, &dir, api)) {
+            trials.push(must_pass(
+                format!("{}sqlite::{}", prefix(api), s.id()),
+                s.clone(),
+                Store::Sqlite,
+                api,
+            ));
+            trials.push(must_pass(
+                format!("{}postgres::{}", prefix(api), s.id()),
+                s.clone(),
+                Store::Postgres,
+                api,
+            ));
+            let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
+            for control in &s.scenario.defects {
+                trials.push(must_fail(s.clone(), control.clone(), needs_peer, api));
+            }
         }
     }
     trials.extend(every_defect_is_caught(&scenarios));

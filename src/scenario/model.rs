@@ -207,6 +207,7 @@ pub enum Step {
     Parallel(Parallel),
     Sleep(Sleep),
     Absent(Absent),
+    Connect(Connect),
 }
 
 impl Step {
@@ -229,6 +230,10 @@ impl Step {
                     .unwrap_or_else(|| format!("sse {}", s.path.raw));
                 format!("{name}{}", via(s.via))
             }
+            Step::Connect(c) => c
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("connect {}", c.rpc.value)),
             other => other.name().unwrap_or(other.kind()).to_owned(),
         }
     }
@@ -241,7 +246,9 @@ impl Step {
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
-            Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) => None,
+            Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) | Step::Connect(_) => {
+                None
+            }
         }
     }
 
@@ -257,6 +264,7 @@ impl Step {
             Step::Parallel(_) => "parallel",
             Step::Sleep(_) => "sleep",
             Step::Absent(_) => "absent",
+            Step::Connect(_) => "connect",
         }
     }
 }
@@ -659,6 +667,43 @@ pub struct Tally {
 #[serde(deny_unknown_fields)]
 pub struct Sleep {
     pub ms: Located<u64>,
+}
+
+/// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or
+/// a server stream read to its end-of-stream message.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Connect {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The E2B ID of the sandbox whose envd answers.
+    pub sandbox: Template,
+    /// `package.Service/Method`, e.g. `process.Process/Start`.
+    pub rpc: Located<String>,
+    /// A server-streaming RPC (`application/connect+json` envelopes).
+    #[serde(default)]
+    pub stream: bool,
+    /// The request message; `{}` when absent.
+    #[serde(default, deserialize_with = "present")]
+    pub message: Option<Located<serde_json::Value>>,
+    /// The sandbox's envd access token (`X-Access-Token`), for a secure sandbox.
+    #[serde(default)]
+    pub access_token: Option<Template>,
+    /// How long the whole call (a stream: to its end) may take; the request timeout when
+    /// absent.
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// The Connect error code expected (`not_found`, ...); absent: success.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Checks on the response message (unary); for a stream, each check must hold in some
+    /// message.
+    #[serde(default)]
+    pub json: Vec<JsonCheck>,
+    /// Captures by JSON pointer: from the response (unary) or from the first message the
+    /// pointer resolves in (a stream).
+    #[serde(default)]
+    pub capture: BTreeMap<String, Located<Capture>>,
 }
 
 /// An independent absence check: a fresh HTTP client, GET by path expecting 404

@@ -232,10 +232,22 @@ pub fn load_dir_partial(root: &Path) -> (Vec<LoadedScenario>, Vec<ParseError>) {
 }
 
 fn collect_yaml(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    collect_yaml_in(dir, true, out)
+}
+
+/// At the catalog root, the folders of other protocol profiles (`e2b/`) are their own
+/// catalogs and are left out.
+fn collect_yaml_in(dir: &Path, root: bool, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
-            collect_yaml(&path, out)?;
+            let profile_folder = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| crate::profile::Api::profile_folders().contains(&n));
+            if !(root && profile_folder) {
+                collect_yaml_in(&path, false, out)?;
+            }
         } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
             out.push(path);
         }
@@ -284,6 +296,18 @@ impl Checker<'_> {
             );
         }
         for c in &s.clauses {
+            if c.value.starts_with("E2B-") {
+                if !crate::profile::is_e2b_clause(&c.value) {
+                    self.err(
+                        Pos::of(c),
+                        format!(
+                            "clause `{}` is not defined in docs/profiles/e2b.md",
+                            c.value
+                        ),
+                    );
+                }
+                continue;
+            }
             match super::clauses::clause(&c.value) {
                 None => self.err(
                     Pos::of(c),
@@ -299,10 +323,11 @@ impl Checker<'_> {
                 Some(_) => {}
             }
         }
-        let cites_must = s
-            .clauses
-            .iter()
-            .any(|c| super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must));
+        // The E2B profile's clauses are its own document's guarantees, every one a MUST.
+        let cites_must = s.clauses.iter().any(|c| {
+            c.value.starts_with("E2B-")
+                || super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must)
+        });
         if s.level == Level::Must && !s.clauses.is_empty() && !cites_must {
             self.err(
                 Pos::of(&s.clauses[0]),
@@ -551,6 +576,47 @@ impl Checker<'_> {
                 self.principal(a.principal, a.path.pos, ctx);
                 for t in [&a.path, &a.list, &a.id] {
                     self.template(t, scope, ctx);
+                }
+            }
+            Step::Connect(c) => {
+                self.template(&c.sandbox, scope, ctx);
+                if let Some(t) = &c.access_token {
+                    self.template(t, scope, ctx);
+                }
+                if let Some(n) = &c.within_s {
+                    self.num(n, scope, ctx);
+                }
+                let rpc_re = Regex::new(
+                    r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.[A-Z][A-Za-z0-9]*/[A-Z][A-Za-z0-9]*$",
+                )
+                .expect("static regex");
+                if !rpc_re.is_match(&c.rpc.value) {
+                    self.err(
+                        Pos::of(&c.rpc),
+                        format!(
+                            "rpc `{}` must look like `process.Process/Start`",
+                            c.rpc.value
+                        ),
+                    );
+                }
+                for check in &c.json {
+                    self.json_check(check, scope, ctx);
+                }
+                for (name, cap) in &c.capture {
+                    if cap.value.json.is_none()
+                        || cap.value.header.is_some()
+                        || cap.value.body.is_some()
+                        || cap.value.regex.is_some()
+                    {
+                        self.err(
+                            Pos::of(cap),
+                            "a `connect` capture takes only `json: <pointer>`",
+                        );
+                    }
+                    if cap.value.secret {
+                        scope.secrets.insert(name.clone());
+                    }
+                    self.define_capture(name, Pos::of(cap), scope);
                 }
             }
         }

@@ -557,3 +557,32 @@ fn a_parallel_group_may_retry_for_a_bounded_time() {
         "bad.yaml:7:17: unknown variable `limits.nope`",
     );
 }
+
+#[test]
+fn e2b_clauses_must_be_defined_and_connect_steps_checked() {
+    let e2b = |clause: &str, step: &str| {
+        format!("id: E2B-LIFE-001\ntitle: t\nclauses: [{clause}]\nlevel: SHOULD\nsteps:\n{step}")
+    };
+    let sleep = "  - sleep: {ms: 1}\n";
+    assert!(parse_str(Path::new("ok.yaml"), &e2b("E2B-SBX-1", sleep)).is_ok());
+    check_err(
+        &e2b("E2B-SBX-99", sleep),
+        "bad.yaml:3:11: clause `E2B-SBX-99` is not defined in docs/profiles/e2b.md",
+    );
+    check_err(
+        &e2b(
+            "E2B-PRC-1",
+            "  - connect: {sandbox: x, rpc: process.Process.Start}\n",
+        ),
+        "bad.yaml:6:32: rpc `process.Process.Start` must look like `process.Process/Start`",
+    );
+    check_err(
+        &e2b(
+            "E2B-PRC-1",
+            "  - connect: {sandbox: x, rpc: process.Process/Start, capture: {pid: {header: X}}}\n",
+        ),
+        "bad.yaml:6:70: a `connect` capture takes only `json: <pointer>`",
+    );
+    let captured = "  - connect: {sandbox: x, rpc: process.Process/List, capture: {n: {json: /processes}}}\n  - connect: {sandbox: \"{{n}}\", rpc: process.Process/List}\n";
+    assert!(parse_str(Path::new("ok.yaml"), &e2b("E2B-PRC-1", captured)).is_ok());
+}

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{Ctx, Prepared, StepError};
+use super::context::{Ctx, Prepared, StepError};
 use crate::engine::expect::Observed;
 use crate::engine::outcome::Outcome;
 use crate::scenario::{Method, Principal, Via};
@@ -76,10 +76,24 @@ pub(super) fn created_by(
     let Ok(json) = obs.json() else {
         return Vec::new();
     };
+    let path = target.split('?').next().unwrap_or_default();
+    // E2B's creates (the E2B profile) name the sandbox `sandboxID`; it is gone when
+    // `GET /sandboxes/{id}` answers 404. Resume and connect answer 201 for an existing one.
+    if matches!(path, "/sandboxes" | "/v2/sandboxes")
+        && let Some(id) = json.get("sandboxID").and_then(Value::as_str)
+    {
+        return vec![Created {
+            kind: Kind::Sandbox,
+            path: format!("/sandboxes/{id}"),
+            principal,
+            sandbox: None,
+            token: None,
+            by_sweep: false,
+        }];
+    }
     let Some(id) = json.get("id").and_then(Value::as_str) else {
         return Vec::new();
     };
-    let path = target.split('?').next().unwrap_or_default();
     let entry = |kind, path: String, sandbox: Option<String>| Created {
         kind,
         path,
@@ -324,6 +338,19 @@ mod tests {
             .into_iter()
             .map(|c| (c.kind, c.path, c.sandbox))
             .collect()
+    }
+
+    #[test]
+    fn the_ledger_knows_e2b_creates_and_not_resumes() {
+        let sbx = created(201, serde_json::json!({"sandboxID": "abc1"}));
+        for create in ["/sandboxes", "/v2/sandboxes"] {
+            assert_eq!(
+                paths(Method::Post, create, &sbx),
+                [(Kind::Sandbox, "/sandboxes/abc1".into(), None)]
+            );
+        }
+        assert!(paths(Method::Post, "/sandboxes/abc1/connect", &sbx).is_empty());
+        assert!(paths(Method::Post, "/sandboxes/abc1/resume", &sbx).is_empty());
     }
 
     #[test]

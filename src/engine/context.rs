@@ -1,0 +1,453 @@
+//! What every step kind shares: the state of one scenario run ([`Ctx`]), a request ready to
+//! send ([`Prepared`]), how a step goes wrong ([`StepError`]), and sending and recording a
+//! request. Step kinds live in [`super::steps`]; this module knows none of them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::expect::{Observed, problem_code};
+use super::ledger::{Created, Leftover};
+use super::outcome::Outcome;
+use super::transcript::{Body, Credential, Entry, HttpExchange, Note, record_headers};
+use super::vars::{VarError, Vars};
+use crate::scenario::{Method, Principal, Request, Via};
+use crate::target::{Target, describe_reqwest};
+
+/// The header that carries the run's canary secret on every request.
+pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
+
+/// Pages an absence check or snapshot reads at most.
+const MAX_PAGES: usize = 50;
+
+/// Whether a header carries a credential in some profile (`Authorization`, `X-API-Key`):
+/// a scenario that sets one sends it instead of the principal's, and it is never recorded.
+pub(super) fn is_credential_header(name: &str) -> bool {
+    name.eq_ignore_ascii_case("authorization") || name.eq_ignore_ascii_case("x-api-key")
+}
+
+pub(super) fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// How a step went wrong.
+#[derive(Debug)]
+pub(super) enum StepError {
+    /// The target misbehaved.
+    Fail(String),
+    /// The harness could not carry on.
+    Error(String),
+    Var(VarError),
+}
+
+impl StepError {
+    pub(super) fn into_outcome(self, step: String) -> Outcome {
+        match self {
+            StepError::Fail(reason) => Outcome::Fail { step, reason },
+            StepError::Error(reason) => Outcome::Error {
+                reason: format!("{step}: {reason}"),
+            },
+            // A limit the target does not advertise is the target's omission.
+            StepError::Var(e @ VarError::NotAdvertised(_)) => Outcome::Fail {
+                step,
+                reason: e.to_string(),
+            },
+            StepError::Var(e) => Outcome::Error {
+                reason: format!("{step}: {e}"),
+            },
+        }
+    }
+}
+
+impl From<VarError> for StepError {
+    fn from(e: VarError) -> Self {
+        StepError::Var(e)
+    }
+}
+
+/// State of one scenario run.
+pub(super) struct Ctx<'a> {
+    pub(super) target: &'a Target,
+    pub(super) vars: Vars<'a>,
+    pub(super) started: Instant,
+    pub(super) transcript: Vec<Entry>,
+    pub(super) measurements: BTreeMap<String, f64>,
+    pub(super) digests: BTreeMap<String, String>,
+    /// Named API-level snapshots: principal and the set of object IDs it owned.
+    pub(super) snapshots: BTreeMap<String, (Principal, BTreeSet<String>)>,
+    /// Everything this scenario created (from the target's 201 responses).
+    pub(super) ledger: Vec<Created>,
+    /// What the leak check found, and whether the sweep removed it.
+    pub(super) leftovers: Vec<Leftover>,
+    /// Whether any request was answered 2xx (for the vacuity rule).
+    pub(super) saw_success: bool,
+    /// Values of captures marked secret.
+    pub(super) secrets: Vec<String>,
+    /// Whether this run holds the target's background expiry (from its first `digest` step
+    /// until after cleanup).
+    pub(super) expiry_held: bool,
+}
+
+/// A request ready to send.
+pub(super) struct Prepared {
+    /// The endpoint it goes to.
+    pub(super) via: Via,
+    pub(super) method: Method,
+    pub(super) target: String,
+    pub(super) principal: Principal,
+    pub(super) headers: Vec<(String, String)>,
+    pub(super) literal_auth: bool,
+    pub(super) body: Option<(Vec<u8>, String)>,
+}
+
+impl<'a> Ctx<'a> {
+    pub(super) fn at(&self) -> u64 {
+        ms(self.started.elapsed())
+    }
+
+    pub(super) fn note(&mut self, text: String) {
+        let at_ms = self.at();
+        self.transcript.push(Entry::Note(Note { at_ms, text }));
+    }
+
+    /// The base URL of `via`. A scenario that sends anything through the peer requires one
+    /// (the parser insists), and is skipped when the target has none.
+    pub(super) fn base(&self, via: Via) -> &str {
+        match (via, &self.target.peer) {
+            (Via::Peer, Some(peer)) => &peer.base_url,
+            _ => &self.target.base_url,
+        }
+    }
+
+    pub(super) fn token(&self, principal: Principal) -> Option<&str> {
+        match principal {
+            Principal::Owner => Some(&self.target.tokens.owner),
+            Principal::Other => Some(&self.target.tokens.other),
+            Principal::Admin => self.target.tokens.admin.as_deref(),
+            Principal::Anonymous => None,
+        }
+    }
+
+    /// The request to send: variables rendered, the body encoded, and bridge requests signed
+    /// (their secret is registered with the sanitizer here).
+    pub(super) fn prepare(&mut self, r: &Request) -> Result<Prepared, StepError> {
+        let path = self.vars.render(&r.path)?;
+        let mut query = Vec::new();
+        for (k, v) in &r.query {
+            query.push((k.clone(), self.vars.render(v)?));
+        }
+        let mut headers = vec![(CANARY_HEADER.to_owned(), self.target.canary.clone())];
+        let mut literal_auth = false;
+        for (k, v) in &r.headers {
+            if is_credential_header(k) {
+                literal_auth = true;
+            }
+            headers.push((k.clone(), self.vars.render(v)?));
+        }
+        let body = if let Some(json) = &r.json {
+            let value = self.vars.render_json(&json.value)?;
+            Some((
+                serde_json::to_vec(&value).expect("JSON values serialize"),
+                "application/json".to_owned(),
+            ))
+        } else if let Some(t) = &r.body_text {
+            Some((
+                self.vars.render(t)?.into_bytes(),
+                "text/plain; charset=utf-8".to_owned(),
+            ))
+        } else if let Some(b) = &r.body_base64 {
+            use base64::Engine as _;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b.value.as_bytes())
+                .unwrap_or_default();
+            Some((bytes, "application/octet-stream".to_owned()))
+        } else {
+            None
+        };
+        let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
+        let target = with_query(&path, &query);
+        if let Some(sign) = &r.bridge_signature {
+            let secret = self.vars.render(&sign.secret)?;
+            // The signed target is the one on the wire, including any path prefix of the
+            // base URL, after the URL parser's normalization.
+            let url = reqwest::Url::parse(&format!("{}{target}", self.base(r.via)))
+                .map_err(|e| StepError::Error(format!("cannot sign `{target}`: {e}")))?;
+            let on_wire = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_owned(),
+            };
+            let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
+            let body = p_body(&body);
+            let signature =
+                super::bridge::signature(&secret, r.method.as_str(), &on_wire, body, &timestamp);
+            headers.push((super::bridge::TIMESTAMP_HEADER.to_owned(), timestamp));
+            headers.push((super::bridge::SIGNATURE_HEADER.to_owned(), signature));
+            if !self.secrets.contains(&secret) {
+                self.secrets.push(secret);
+            }
+        }
+        Ok(Prepared {
+            via: r.via,
+            method: r.method,
+            target,
+            principal: r.principal,
+            headers,
+            literal_auth,
+            body,
+        })
+    }
+
+    pub(super) fn builder(
+        &self,
+        client: &reqwest::Client,
+        p: &Prepared,
+    ) -> reqwest::RequestBuilder {
+        let method =
+            reqwest::Method::from_bytes(p.method.as_str().as_bytes()).expect("known method");
+        let mut b = client.request(method, format!("{}{}", self.base(p.via), p.target));
+        if !p.literal_auth
+            && let Some(token) = self.token(p.principal)
+        {
+            let (name, value) = self.target.api.credential(token);
+            b = b.header(name, value);
+        }
+        for (k, v) in &p.headers {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        if let Some((body, ct)) = &p.body {
+            if !p
+                .headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+            {
+                b = b.header(reqwest::header::CONTENT_TYPE, ct.as_str());
+            }
+            b = b.body(body.clone());
+        }
+        b
+    }
+
+    pub(super) fn credential(&self, p: &Prepared) -> Credential {
+        if p.literal_auth {
+            Credential::ScenarioLiteral
+        } else if p.principal == Principal::Anonymous {
+            Credential::None
+        } else {
+            Credential::Principal(p.principal)
+        }
+    }
+
+    /// Sends a prepared request and records it. Transport errors are classified here.
+    pub(super) async fn send(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+    ) -> Result<Observed, StepError> {
+        let at_ms = self.at();
+        let sent = Instant::now();
+        let outcome = exchange(self.builder(client, p), self.target.request_timeout, false).await;
+        let mut exchange = HttpExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: self.credential(p),
+            method: p.method.as_str().to_owned(),
+            target: p.target.clone(),
+            request_headers: p
+                .headers
+                .iter()
+                .filter(|(k, _)| !is_credential_header(k))
+                .cloned()
+                .collect(),
+            request_body: p.body.as_ref().map(|(b, _)| Body::of(b)),
+            status: None,
+            response_headers: Vec::new(),
+            response_body: None,
+            duration_ms: 0,
+            error: None,
+        };
+        exchange.duration_ms = ms(sent.elapsed());
+        let result = match outcome {
+            Ok(obs) => {
+                exchange.status = Some(obs.status);
+                exchange.response_headers = record_headers(&obs.headers);
+                exchange.response_body = Some(Body::of(&obs.body));
+                if (200..300).contains(&obs.status) {
+                    self.saw_success = true;
+                }
+                self.remember_created(p, &obs);
+                Ok(obs)
+            }
+            Err((reason, connect)) => {
+                exchange.error = Some(reason.clone());
+                if connect {
+                    Err(StepError::Error(format!("{}: {reason}", self.base(p.via))))
+                } else {
+                    Err(StepError::Fail(format!("no response: {reason}")))
+                }
+            }
+        };
+        self.transcript.push(Entry::Http(exchange));
+        result
+    }
+
+    /// Follows a list's pages and returns every `data[*].id`.
+    pub(super) async fn list_ids(
+        &mut self,
+        client: &reqwest::Client,
+        principal: Principal,
+        path: &str,
+        label: &str,
+    ) -> Result<BTreeSet<String>, StepError> {
+        let mut ids = BTreeSet::new();
+        let mut page_token: Option<String> = None;
+        for _ in 0..MAX_PAGES {
+            let mut query = vec![("limit".to_owned(), "100".to_owned())];
+            if let Some(t) = &page_token {
+                query.push(("page_token".into(), t.clone()));
+            }
+            let p = Prepared {
+                via: Via::Primary,
+                method: Method::Get,
+                target: with_query(path, &query),
+                principal,
+                headers: Vec::new(),
+                literal_auth: false,
+                body: None,
+            };
+            let obs = self.send(client, &p, label).await?;
+            if obs.status != 200 {
+                return Err(StepError::Fail(format!(
+                    "GET {path}: status {}",
+                    obs.status
+                )));
+            }
+            let json = obs
+                .json()
+                .map_err(|e| StepError::Fail(format!("GET {path}: {e}")))?;
+            let data = json
+                .get("data")
+                .and_then(Value::as_array)
+                .ok_or_else(|| StepError::Fail(format!("GET {path}: no `data` array")))?;
+            for item in data {
+                if let Some(id) = item.get("id").and_then(Value::as_str) {
+                    ids.insert(id.to_owned());
+                }
+            }
+            match json.get("next_page_token").and_then(Value::as_str) {
+                Some(t) => page_token = Some(t.to_owned()),
+                None => return Ok(ids),
+            }
+        }
+        Err(StepError::Fail(format!(
+            "GET {path}: more than {MAX_PAGES} pages"
+        )))
+    }
+}
+
+/// Sends a request and reads its whole response, each wait bounded by `limit`: the response
+/// headers (connecting included), then every read of the body. The error is a reason and
+/// whether the target could not be connected to at all. `close_streams`: a granted event
+/// stream is judged on its status and headers and then closed, not read to its end.
+pub(super) async fn exchange(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    close_streams: bool,
+) -> Result<Observed, (String, bool)> {
+    let secs = limit.as_secs_f64();
+    let mut response = match tokio::time::timeout(limit, builder.send()).await {
+        Err(_) => {
+            return Err((
+                format!("headers not received within {secs}s (--request-timeout)"),
+                false,
+            ));
+        }
+        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let stream = headers
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    if close_streams && stream && response.status().is_success() {
+        // Dropping the response closes its connection.
+        drop(response);
+        return Ok(Observed {
+            status,
+            headers,
+            body: Default::default(),
+        });
+    }
+    let mut body = Vec::new();
+    loop {
+        match tokio::time::timeout(limit, response.chunk()).await {
+            Err(_) => {
+                return Err((
+                    format!(
+                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
+                        body.len()
+                    ),
+                    false,
+                ));
+            }
+            Ok(Err(e)) => return Err((describe_reqwest(&e), false)),
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+        }
+    }
+    Ok(Observed {
+        status,
+        headers,
+        body: body.into(),
+    })
+}
+
+/// A status mismatch message, with the problem code when the response has one.
+pub(super) fn with_problem(msg: String, obs: &Observed) -> String {
+    match problem_code(obs) {
+        Some(code) => format!("{msg} ({code})"),
+        None => msg,
+    }
+}
+
+/// `path?k=v&...` with the values percent-encoded.
+/// The bytes a prepared body sends (none: empty).
+pub(super) fn p_body(body: &Option<(Vec<u8>, String)>) -> &[u8] {
+    body.as_ref().map_or(&[], |(b, _)| b.as_slice())
+}
+
+pub(super) fn with_query(path: &str, query: &[(String, String)]) -> String {
+    if query.is_empty() {
+        return path.to_owned();
+    }
+    let mut url = reqwest::Url::parse("http://x/").expect("static URL");
+    url.query_pairs_mut().extend_pairs(query);
+    format!(
+        "{path}{}{}",
+        if path.contains('?') { "&" } else { "?" },
+        url.query().unwrap_or_default()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_are_encoded() {
+        assert_eq!(with_query("/v1/x", &[]), "/v1/x");
+        assert_eq!(
+            with_query(
+                "/v1/sandboxes/a/files",
+                &[
+                    ("path".into(), "../etc/passwd".into()),
+                    ("q".into(), "a b&c".into())
+                ]
+            ),
+            "/v1/sandboxes/a/files?path=..%2Fetc%2Fpasswd&q=a+b%26c"
+        );
+    }
+}

@@ -1,0 +1,251 @@
+//! `connect`: a Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile.
+//! envd is reached the two ways E2B's SDK reaches it: on the target's own base URL with the
+//! routing headers `E2b-Sandbox-Id` and `E2b-Sandbox-Port` (self-hosted and compatible
+//! platforms, the reference server), or at E2B's host form
+//! `https://49983-<sandboxID>.<domain>` when the run names an envd domain (`--envd-domain`).
+//! A server stream is parsed by the strict envelope parser; any framing fault fails the step.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{StepKind, secs};
+use crate::connect::{self, Item};
+use crate::engine::context::{CANARY_HEADER, Ctx, StepError, exchange, ms};
+use crate::engine::expect::{Observed, json_check};
+use crate::engine::transcript::{Body, Credential, Entry, HttpExchange, record_headers};
+use crate::scenario::Connect;
+
+/// envd's port, the one `E2b-Sandbox-Port` and the host form name.
+pub const ENVD_PORT: u16 = 49983;
+
+impl StepKind for Connect {
+    fn waits(&self, ctx: &Ctx<'_>) -> Duration {
+        self.within_s
+            .as_ref()
+            .map_or(Duration::ZERO, |n| secs(ctx.vars.num(n)))
+    }
+
+    fn expects_success(&self) -> bool {
+        self.error.is_none()
+    }
+
+    async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
+        ctx.connect(self, label).await
+    }
+}
+
+impl Ctx<'_> {
+    async fn connect(&mut self, c: &Connect, label: &str) -> Result<(), StepError> {
+        let sandbox = self.vars.render(&c.sandbox)?;
+        let message = match &c.message {
+            Some(m) => self.vars.render_json(&m.value)?,
+            None => Value::Object(Default::default()),
+        };
+        let json = serde_json::to_vec(&message).expect("JSON values serialize");
+        let (body, content_type) = if c.stream {
+            (connect::envelope(0, &json), "application/connect+json")
+        } else {
+            (json, "application/json")
+        };
+        let mut headers = vec![
+            (CANARY_HEADER.to_owned(), self.target.canary.clone()),
+            ("Content-Type".to_owned(), content_type.to_owned()),
+            ("Connect-Protocol-Version".to_owned(), "1".to_owned()),
+        ];
+        let url = match &self.target.envd_domain {
+            Some(domain) => format!("https://{ENVD_PORT}-{sandbox}.{domain}/{}", c.rpc.value),
+            None => {
+                headers.push(("E2b-Sandbox-Id".to_owned(), sandbox.clone()));
+                headers.push(("E2b-Sandbox-Port".to_owned(), ENVD_PORT.to_string()));
+                format!("{}/{}", self.target.base_url, c.rpc.value)
+            }
+        };
+        if let Some(t) = &c.access_token {
+            headers.push(("X-Access-Token".to_owned(), self.vars.render(t)?));
+        }
+        let limit = match &c.within_s {
+            Some(n) => Duration::from_secs(u64::try_from(self.vars.num(n)?).unwrap_or(0)),
+            None => self.target.request_timeout,
+        };
+        let mut builder = self.target.client.post(&url).body(body.clone());
+        for (k, v) in &headers {
+            builder = builder.header(k.as_str(), v.as_str());
+        }
+        let at_ms = self.at();
+        let sent = Instant::now();
+        let result = match tokio::time::timeout(limit, exchange(builder, limit, false)).await {
+            Ok(r) => r,
+            Err(_) => Err((
+                format!("the call did not complete within {}s", limit.as_secs()),
+                false,
+            )),
+        };
+        let mut record = HttpExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: Credential::None,
+            method: "POST".to_owned(),
+            target: url
+                .strip_prefix(&self.target.base_url)
+                .unwrap_or(&url)
+                .to_owned(),
+            request_headers: headers,
+            request_body: Some(Body::of(&body)),
+            status: None,
+            response_headers: Vec::new(),
+            response_body: None,
+            duration_ms: ms(sent.elapsed()),
+            error: None,
+        };
+        let obs = match result {
+            Ok(obs) => obs,
+            Err((reason, connect)) => {
+                record.error = Some(reason.clone());
+                self.transcript.push(Entry::Http(record));
+                return Err(if connect {
+                    StepError::Error(reason)
+                } else {
+                    StepError::Fail(format!("no response: {reason}"))
+                });
+            }
+        };
+        record.status = Some(obs.status);
+        record.response_headers = record_headers(&obs.headers);
+        record.response_body = Some(Body::of(&obs.body));
+        self.transcript.push(Entry::Http(record));
+        let messages = if c.stream {
+            self.judge_stream(c, &obs)?
+        } else {
+            self.judge_unary(c, &obs)?
+        };
+        let Some(messages) = messages else {
+            return Ok(());
+        };
+        self.saw_success = true;
+        let mut failures = Vec::new();
+        for check in &c.json {
+            let results: Vec<Result<(), String>> = messages
+                .iter()
+                .map(|m| json_check(check, m, &self.vars))
+                .collect();
+            if !results.iter().any(Result::is_ok) {
+                let last = results
+                    .into_iter()
+                    .rev()
+                    .find_map(Result::err)
+                    .unwrap_or_else(|| "no message".into());
+                failures.push(if c.stream {
+                    format!("no message of {} holds: {last}", messages.len())
+                } else {
+                    last
+                });
+            }
+        }
+        if !failures.is_empty() {
+            return Err(StepError::Fail(failures.join("; ")));
+        }
+        for (name, cap) in &c.capture {
+            let pointer = cap.value.json.as_deref().unwrap_or_default();
+            let value = messages
+                .iter()
+                .find_map(|m| m.pointer(pointer).cloned())
+                .ok_or_else(|| {
+                    StepError::Fail(format!("capture `{name}`: nothing at {pointer}"))
+                })?;
+            if cap.value.secret {
+                self.secrets.push(crate::engine::vars::scalar_text(&value));
+            }
+            self.vars.captures.insert(name.clone(), value);
+        }
+        Ok(())
+    }
+
+    /// A unary answer: the response message when it succeeded as expected, `None` when it
+    /// failed as expected.
+    fn judge_unary(&self, c: &Connect, obs: &Observed) -> Result<Option<Vec<Value>>, StepError> {
+        let json = obs.json().ok();
+        let code = json
+            .as_ref()
+            .and_then(|j| j.get("code"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        match (&c.error, obs.status) {
+            (None, 200) => {
+                let ct = obs.content_type();
+                if !ct.starts_with("application/json") {
+                    return Err(StepError::Fail(format!(
+                        "content-type `{ct}`, expected application/json"
+                    )));
+                }
+                json.map(|j| Some(vec![j]))
+                    .ok_or_else(|| StepError::Fail("the response is not JSON".into()))
+            }
+            (None, status) => Err(StepError::Fail(format!(
+                "status {status} ({}), expected success",
+                code.as_deref().unwrap_or("no Connect error code")
+            ))),
+            (Some(want), 200) => Err(StepError::Fail(format!(
+                "succeeded, expected the Connect error `{want}`"
+            ))),
+            (Some(want), status) if code.as_deref() == Some(want.as_str()) => {
+                let _ = status;
+                Ok(None)
+            }
+            (Some(want), status) => Err(StepError::Fail(format!(
+                "status {status} with Connect error {code:?}, expected `{want}`"
+            ))),
+        }
+    }
+
+    /// A server stream: its messages when it ended cleanly as expected, `None` when its
+    /// end-of-stream message carried the expected error.
+    fn judge_stream(&self, c: &Connect, obs: &Observed) -> Result<Option<Vec<Value>>, StepError> {
+        if obs.status != 200 {
+            return Err(StepError::Fail(format!(
+                "status {}, a Connect stream answers 200",
+                obs.status
+            )));
+        }
+        let ct = obs.content_type();
+        if !ct.starts_with("application/connect+json") {
+            return Err(StepError::Fail(format!(
+                "content-type `{ct}`, expected application/connect+json"
+            )));
+        }
+        let mut messages = Vec::new();
+        let mut end = None;
+        let mut faults = Vec::new();
+        for item in connect::parse_all(&obs.body) {
+            match item {
+                Item::Message(m) => messages.push(m),
+                Item::End(e) => end = Some(e),
+                Item::Fault(f) => faults.push(format!("framing: {f}")),
+            }
+        }
+        if !faults.is_empty() {
+            return Err(StepError::Fail(faults.join("; ")));
+        }
+        let error = end.as_ref().and_then(|e| e.get("error")).map(|e| {
+            e.get("code")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned()
+        });
+        match (&c.error, error) {
+            (None, None) => Ok(Some(messages)),
+            (None, Some(code)) => Err(StepError::Fail(format!(
+                "the stream ended with the Connect error `{code}` after {} messages",
+                messages.len()
+            ))),
+            (Some(want), None) => Err(StepError::Fail(format!(
+                "the stream ended cleanly after {} messages, expected the Connect error `{want}`",
+                messages.len()
+            ))),
+            (Some(want), Some(code)) if &code == want => Ok(None),
+            (Some(want), Some(code)) => Err(StepError::Fail(format!(
+                "the stream ended with the Connect error `{code}`, expected `{want}`"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! `parallel`: requests sent at once, their responses judged together by tallies.
+
+use std::time::{Duration, Instant};
+
+use super::{StepKind, secs};
+use crate::engine::context::{Ctx, StepError, exchange, is_credential_header, ms};
+use crate::engine::expect::{Observed, check_headers, problem_code};
+use crate::engine::transcript::{Body, Entry, HttpExchange, record_headers};
+use crate::engine::vars::Vars;
+use crate::scenario::{Parallel, Principal, Request};
+
+impl StepKind for Parallel {
+    fn uses_admin(&self) -> bool {
+        self.request
+            .iter()
+            .chain(&self.requests)
+            .any(|r| r.principal == Principal::Admin)
+    }
+
+    /// Event streams sent in parallel are read to their end: at most the advertised stream
+    /// duration (and, retried, for at most `within_s` more).
+    fn waits(&self, ctx: &Ctx<'_>) -> Duration {
+        let mut total = Duration::ZERO;
+        if self.request.iter().chain(&self.requests).any(is_stream) {
+            let limit = ctx.target.capabilities.limits.get("max_stream_duration_s");
+            total += secs(Ok(limit.copied().unwrap_or(0))) + ctx.target.request_timeout;
+        }
+        if let Some(w) = &self.within_s {
+            total += secs(ctx.vars.num(w));
+        }
+        total
+    }
+
+    async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
+        ctx.parallel(self, label).await
+    }
+}
+
+/// Whether a request asks for an event stream.
+fn is_stream(r: &Request) -> bool {
+    r.headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("accept") && v.raw.contains("text/event-stream"))
+}
+
+impl Ctx<'_> {
+    /// Sends the group once, or (with `within_s`) until its tallies hold.
+    async fn parallel(&mut self, p: &Parallel, label: &str) -> Result<(), StepError> {
+        let Some(within_s) = &p.within_s else {
+            return self.parallel_once(p, label, false).await;
+        };
+        let within = Duration::from_secs(u64::try_from(self.vars.num(within_s)?).unwrap_or(0));
+        let every = Duration::from_millis(p.every_ms.as_ref().map_or(1000, |e| e.value));
+        let deadline = Instant::now() + within;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            match self.parallel_once(p, label, true).await {
+                Ok(()) => return Ok(()),
+                Err(StepError::Fail(msg)) if Instant::now() + every <= deadline => {
+                    self.note(format!("{label}: attempt {attempts} did not hold: {msg}"));
+                }
+                Err(StepError::Fail(msg)) => {
+                    return Err(StepError::Fail(format!(
+                        "still not holding after {attempts} attempts in {}s: {msg}",
+                        within.as_secs()
+                    )));
+                }
+                Err(other) => return Err(other),
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// One attempt of a `parallel` group. `close_streams`: a granted event stream is judged
+    /// on its status and headers and then closed instead of being read to its end.
+    async fn parallel_once(
+        &mut self,
+        p: &Parallel,
+        label: &str,
+        close_streams: bool,
+    ) -> Result<(), StepError> {
+        let mut prepared = Vec::new();
+        if let Some(r) = &p.request {
+            let n = p
+                .repeat
+                .as_ref()
+                .map(|n| self.vars.num(n))
+                .transpose()?
+                .unwrap_or(1);
+            for _ in 0..n.clamp(0, 1000) {
+                prepared.push(self.prepare(r)?);
+            }
+        }
+        for r in &p.requests {
+            prepared.push(self.prepare(r)?);
+        }
+        let client = self.target.client.clone();
+        let limit = self.target.request_timeout;
+        let futures = prepared.iter().map(|pr| {
+            let b = self.builder(&client, pr);
+            async move {
+                let sent = Instant::now();
+                let r = exchange(b, limit, close_streams).await;
+                (r, sent.elapsed())
+            }
+        });
+        let at_ms = self.at();
+        let results = futures_util::future::join_all(futures).await;
+        let before = self.ledger.len();
+        let mut observed = Vec::new();
+        for (pr, (result, took)) in prepared.iter().zip(results) {
+            let mut exchange = HttpExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: self.credential(pr),
+                method: pr.method.as_str().to_owned(),
+                target: pr.target.clone(),
+                request_headers: pr
+                    .headers
+                    .iter()
+                    .filter(|(k, _)| !is_credential_header(k))
+                    .cloned()
+                    .collect(),
+                request_body: pr.body.as_ref().map(|(b, _)| Body::of(b)),
+                status: None,
+                response_headers: Vec::new(),
+                response_body: None,
+                duration_ms: ms(took),
+                error: None,
+            };
+            match result {
+                Ok(obs) => {
+                    exchange.status = Some(obs.status);
+                    exchange.response_headers = record_headers(&obs.headers);
+                    exchange.response_body = Some(Body::of(&obs.body));
+                    if (200..300).contains(&obs.status) {
+                        self.saw_success = true;
+                    }
+                    self.remember_created(pr, &obs);
+                    observed.push(obs);
+                }
+                Err((reason, connect)) => {
+                    exchange.error = Some(reason.clone());
+                    self.transcript.push(Entry::Http(exchange));
+                    return Err(if connect {
+                        StepError::Error(reason)
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            }
+            self.transcript.push(Entry::Http(exchange));
+        }
+        if p.removed_by_sweep {
+            for created in &mut self.ledger[before..] {
+                created.by_sweep = true;
+            }
+        }
+        let failures = judge_tallies(&p.expect, &observed, &self.vars)?;
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(StepError::Fail(failures.join("; ")))
+        }
+    }
+}
+
+/// Judges the responses of a `parallel` step against its tallies: each `exactly` tally must
+/// count exactly that many responses (status, and `code` when given), the `rest` tally takes
+/// every response not counted by another, and every response a tally counts must pass its
+/// header checks. Returns the failures.
+fn judge_tallies(
+    tallies: &[crate::scenario::Tally],
+    observed: &[Observed],
+    vars: &Vars<'_>,
+) -> Result<Vec<String>, StepError> {
+    let keys: Vec<(u16, Option<String>)> = observed
+        .iter()
+        .map(|o| (o.status, problem_code(o)))
+        .collect();
+    let matches = |t: &crate::scenario::Tally, k: &(u16, Option<String>)| {
+        t.status == k.0 && t.code.as_ref().is_none_or(|c| Some(c) == k.1.as_ref())
+    };
+    let describe = |t: &crate::scenario::Tally| {
+        format!(
+            "status {}{}",
+            t.status,
+            t.code.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
+        )
+    };
+    // Which tally counted each response.
+    let mut counted: Vec<Option<usize>> = vec![None; keys.len()];
+    let mut failures = Vec::new();
+    for (ti, tally) in tallies.iter().enumerate().filter(|(_, t)| !t.rest) {
+        let want = tally
+            .exactly
+            .as_ref()
+            .map(|n| vars.num(n))
+            .transpose()?
+            .unwrap_or(0);
+        let mut got = 0i64;
+        for (i, k) in keys.iter().enumerate() {
+            if counted[i].is_none() && matches(tally, k) {
+                counted[i] = Some(ti);
+                got += 1;
+            }
+        }
+        if got != want {
+            failures.push(format!(
+                "{got} responses with {}, expected {want}",
+                describe(tally)
+            ));
+        }
+    }
+    let rest = tallies.iter().position(|t| t.rest);
+    for (i, k) in keys.iter().enumerate() {
+        if counted[i].is_some() {
+            continue;
+        }
+        match rest {
+            Some(ti) if matches(&tallies[ti], k) => counted[i] = Some(ti),
+            _ => failures.push(format!(
+                "unexpected response: status {}{}",
+                k.0,
+                k.1.as_ref().map(|c| format!(" {c}")).unwrap_or_default()
+            )),
+        }
+    }
+    for (i, obs) in observed.iter().enumerate() {
+        let Some(ti) = counted[i] else { continue };
+        for msg in check_headers(&tallies[ti].headers, obs, vars) {
+            failures.push(format!("response #{i} ({}): {msg}", describe(&tallies[ti])));
+        }
+    }
+    Ok(failures)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn observed(status: u16, code: Option<&str>, retry_after: Option<&str>) -> Observed {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(v) = retry_after {
+            headers.insert("retry-after", v.parse().unwrap());
+        }
+        let body = match code {
+            Some(code) => {
+                headers.insert(
+                    reqwest::header::CONTENT_TYPE,
+                    "application/problem+json".parse().unwrap(),
+                );
+                serde_json::json!({"status": status, "code": code}).to_string()
+            }
+            None => String::new(),
+        };
+        Observed {
+            status,
+            headers,
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn tallies_count_statuses_and_check_headers_of_what_they_count() {
+        let caps = crate::target::Capabilities::from_json(serde_json::json!({
+            "providers": [{"name": "local", "default": true}],
+            "features": [],
+            "limits": {"max_streams_per_principal": 2},
+            "retention": {}
+        }))
+        .unwrap();
+        let vars = Vars::new("run", &caps, "canary");
+        let tallies: Vec<crate::scenario::Tally> = serde_saphyr::from_str(
+            "- {status: 200, exactly: limits.max_streams_per_principal}\n\
+             - {status: 429, code: too_many_streams, rest: true, headers: [{name: Retry-After, matches: '^[0-9]+$'}]}\n",
+        )
+        .unwrap();
+        let good = [
+            observed(200, None, None),
+            observed(429, Some("too_many_streams"), Some("1")),
+            observed(200, None, None),
+        ];
+        assert!(judge_tallies(&tallies, &good, &vars).unwrap().is_empty());
+        // A 429 without Retry-After fails its tally's header check.
+        let bare = [
+            observed(200, None, None),
+            observed(200, None, None),
+            observed(429, Some("too_many_streams"), None),
+        ];
+        let failures = judge_tallies(&tallies, &bare, &vars).unwrap();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(
+            failures[0]
+                .starts_with("response #2 (status 429 too_many_streams): header retry-after"),
+            "{failures:?}"
+        );
+        // One 200 too many (a quota not enforced) and none refused.
+        let over = [
+            observed(200, None, None),
+            observed(200, None, None),
+            observed(200, None, None),
+        ];
+        let failures = judge_tallies(&tallies, &over, &vars).unwrap();
+        assert_eq!(failures, ["3 responses with status 200, expected 2"]);
+    }
+}

@@ -1,0 +1,509 @@
+//! `sse`: reads a server-sent event stream with the strict parser (and, when enabled, an
+//! interop client at the same time), then judges its framing, events, end and timings.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{StepKind, expects_2xx, secs};
+use crate::engine::context::{
+    CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, ms, with_problem, with_query,
+};
+use crate::engine::expect::{Observed, check_response, json_check, status_ok};
+use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
+use crate::scenario::{Method, Principal, Sse, Until};
+use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
+use crate::target::describe_reqwest;
+
+/// `(event type, id)` per event, as an interop probe saw them.
+type Seen = Vec<(String, Option<String>)>;
+
+/// What an interop probe returned: `None` when it did not run.
+type Probed = Option<Result<Seen, String>>;
+
+/// Default deadline of an `sse` step.
+const DEFAULT_SSE_DEADLINE_S: i64 = 30;
+
+impl StepKind for Sse {
+    fn waits(&self, ctx: &Ctx<'_>) -> Duration {
+        match &self.within_s {
+            Some(n) => secs(ctx.vars.num(n)),
+            None => secs(Ok(DEFAULT_SSE_DEADLINE_S)),
+        }
+    }
+
+    fn expects_success(&self) -> bool {
+        expects_2xx(&self.expect)
+    }
+
+    fn uses_admin(&self) -> bool {
+        self.principal == Principal::Admin
+    }
+
+    async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
+        ctx.sse(self, label).await
+    }
+}
+
+impl Ctx<'_> {
+    async fn sse(&mut self, s: &Sse, label: &str) -> Result<(), StepError> {
+        let path = self.vars.render(&s.path)?;
+        let mut query = Vec::new();
+        for (k, v) in &s.query {
+            query.push((k.clone(), self.vars.render(v)?));
+        }
+        let mut headers = vec![
+            (
+                "Accept".to_owned(),
+                s.accept
+                    .clone()
+                    .unwrap_or_else(|| "text/event-stream".into()),
+            ),
+            (CANARY_HEADER.to_owned(), self.target.canary.clone()),
+        ];
+        let mut literal_auth = false;
+        for (k, v) in &s.headers {
+            literal_auth |= is_credential_header(k);
+            headers.push((k.clone(), self.vars.render(v)?));
+        }
+        let last_event_id = s
+            .last_event_id
+            .as_ref()
+            .map(|t| self.vars.render(t))
+            .transpose()?;
+        if let Some(id) = &last_event_id {
+            headers.push(("Last-Event-ID".to_owned(), id.clone()));
+        }
+        let resume_after: Option<u64> = last_event_id
+            .as_deref()
+            .or_else(|| {
+                query
+                    .iter()
+                    .find(|(k, _)| k == "after")
+                    .map(|(_, v)| v.as_str())
+            })
+            .and_then(|v| v.parse().ok());
+        let prepared = Prepared {
+            via: s.via,
+            method: Method::Get,
+            target: with_query(&path, &query),
+            principal: s.principal,
+            headers,
+            literal_auth,
+            body: None,
+        };
+        let deadline_s = s
+            .within_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?
+            .unwrap_or(DEFAULT_SSE_DEADLINE_S);
+        let deadline = Duration::from_secs(u64::try_from(deadline_s).unwrap_or(0));
+        let heartbeat = s
+            .expect_heartbeat_within_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?;
+        let min_duration_s = s
+            .min_duration_s
+            .as_ref()
+            .map(|n| self.vars.num(n))
+            .transpose()?;
+        let at_ms = self.at();
+        let sent = Instant::now();
+        // The response headers, like the stream after them, must come within the step's
+        // deadline; no request timeout beyond that.
+        let result = tokio::time::timeout(
+            deadline,
+            self.builder(&self.target.client, &prepared).send(),
+        )
+        .await;
+        let mut exchange = SseExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: self.credential(&prepared),
+            target: prepared.target.clone(),
+            last_event_id: last_event_id.clone(),
+            status: None,
+            response_headers: Vec::new(),
+            frames: Vec::new(),
+            first_frame_ms: None,
+            eof_ms: None,
+            end: String::new(),
+        };
+        let response = match result {
+            Ok(Ok(r)) => r,
+            Err(_) => {
+                let reason = format!(
+                    "no response: headers not received within {deadline_s}s (the step's deadline)"
+                );
+                exchange.end = format!("error: {reason}");
+                self.transcript.push(Entry::Sse(exchange));
+                return Err(StepError::Fail(reason));
+            }
+            Ok(Err(e)) => {
+                let reason = describe_reqwest(&e);
+                exchange.end = format!("error: {reason}");
+                self.transcript.push(Entry::Sse(exchange));
+                return Err(if e.is_connect() {
+                    StepError::Error(reason)
+                } else {
+                    StepError::Fail(format!("no response: {reason}"))
+                });
+            }
+        };
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        exchange.status = Some(status);
+        exchange.response_headers = record_headers(&headers);
+        let mut failures = Vec::new();
+        let status_check = status_ok(&s.expect, status, Some(200));
+        if status == 200
+            && let Err(msg) = status_check
+        {
+            // A stream where none was expected: do not wait for it to end.
+            exchange.end = "unexpected stream".into();
+            self.transcript.push(Entry::Sse(exchange));
+            return Err(StepError::Fail(msg));
+        }
+        if status != 200 {
+            // Not a stream: judge the response like any other.
+            let body = tokio::time::timeout(self.target.request_timeout, response.bytes())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            exchange.end = "not a stream".into();
+            self.transcript.push(Entry::Sse(exchange));
+            let obs = Observed {
+                status,
+                headers,
+                body,
+            };
+            if let Err(msg) = status_check {
+                return Err(StepError::Fail(with_problem(msg, &obs)));
+            }
+            failures.extend(check_response(&s.expect, &obs, &self.vars));
+            return if failures.is_empty() {
+                Ok(())
+            } else {
+                Err(StepError::Fail(failures.join("; ")))
+            };
+        }
+        self.saw_success = true;
+        let obs_head = Observed {
+            status,
+            headers: headers.clone(),
+            body: bytes::Bytes::new(),
+        };
+        failures.extend(check_response(&s.expect, &obs_head, &self.vars));
+        let content_type = obs_head.content_type().to_owned();
+        if !content_type.starts_with("text/event-stream") {
+            failures.push(format!(
+                "content-type `{content_type}`, expected text/event-stream"
+            ));
+        }
+        let stop = match &s.until {
+            Until::Eof => Stop::Eof,
+            Until::Events(n) => Stop::Events(*n as usize),
+            Until::Event(t) => Stop::Event(t.clone()),
+        };
+        // The interop probe reads the same stream at the same time, so it costs no time.
+        let probe = self.interop_probe(s, &prepared, last_event_id.clone(), stop.clone(), deadline);
+        let strict = read_stream(
+            response,
+            sent,
+            stop,
+            s.cut_after.map(|n| n as usize),
+            deadline,
+        );
+        let (record, probed) = tokio::join!(strict, probe);
+        exchange.first_frame_ms = record.first_frame.map(ms);
+        exchange.eof_ms = record.eof.map(ms);
+        exchange.end = format!("{:?}", record.end);
+        let mut framing = Framing::after(resume_after);
+        if s.id_gaps {
+            framing = framing.allowing_gaps();
+        }
+        let mut events = Vec::new();
+        for timed in &record.items {
+            let at_ms = ms(timed.at);
+            match &timed.item {
+                Item::Event(e) => {
+                    exchange.frames.push(Frame::Event {
+                        at_ms,
+                        event: e.event.clone(),
+                        id: e.id.clone(),
+                        data: e.data.clone(),
+                    });
+                    if s.strict_framing {
+                        for fault in framing.check(e) {
+                            failures.push(format!("framing: {fault}"));
+                        }
+                    }
+                    events.push(e.clone());
+                }
+                Item::Comment(text) => exchange.frames.push(Frame::Comment {
+                    at_ms,
+                    text: text.clone(),
+                }),
+                Item::Retry(n) => exchange.frames.push(Frame::Retry { at_ms, ms: *n }),
+                Item::Fault(fault) => {
+                    exchange.frames.push(Frame::Fault {
+                        at_ms,
+                        fault: fault.to_string(),
+                    });
+                    if s.strict_framing {
+                        failures.push(format!("framing: {fault}"));
+                    }
+                }
+            }
+        }
+        self.transcript.push(Entry::Sse(exchange));
+        match (&record.end, &s.until, s.cut_after) {
+            (EndReason::BodyError(e), _, _) => failures.push(format!("stream broke: {e}")),
+            (EndReason::Cut, _, Some(_))
+            | (EndReason::Stopped, _, _)
+            | (EndReason::Eof, Until::Eof, None) => {}
+            (EndReason::Deadline, _, _) => failures.push(format!(
+                "stream did not reach its end condition within {deadline_s}s ({} events)",
+                events.len()
+            )),
+            (EndReason::Eof, _, Some(n)) => failures.push(format!(
+                "stream ended after {} events, before the cut at {n}",
+                events.len()
+            )),
+            (EndReason::Eof, until, None) => failures.push(format!(
+                "stream ended before {until:?} ({} events)",
+                events.len()
+            )),
+            (EndReason::Cut, _, None) => {}
+        }
+        // A lower bound only: a slow machine makes a stream last longer, never shorter.
+        if let (Some(min_s), EndReason::Eof, Some(eof)) = (min_duration_s, &record.end, record.eof)
+            && eof < Duration::from_secs(u64::try_from(min_s).unwrap_or(0))
+        {
+            failures.push(format!(
+                "stream ended {:.3}s after it was requested, before the {min_s}s it must stay open",
+                eof.as_secs_f64()
+            ));
+        }
+        if s.expect_none {
+            if !events.is_empty() {
+                failures.push(format!("expected no events, got {}", events.len()));
+            }
+        } else if events.is_empty() {
+            failures.push("stream delivered no events".into());
+        }
+        if s.exact && events.len() != s.events.len() {
+            failures.push(format!(
+                "{} events, expected exactly {}",
+                events.len(),
+                s.events.len()
+            ));
+        }
+        for (i, check) in s.events.iter().enumerate() {
+            let Some(event) = events.get(i) else {
+                failures.push(format!(
+                    "event #{i} expected, stream delivered {}",
+                    events.len()
+                ));
+                break;
+            };
+            self.check_event(&format!("event #{i}"), check, event, &mut failures)?;
+        }
+        if !s.each_event.is_empty() {
+            let each = crate::scenario::EventCheck {
+                event: None,
+                id: None,
+                data: s.each_event.clone(),
+            };
+            for (i, event) in events.iter().enumerate() {
+                if event.event != "stream.end" {
+                    self.check_event(&format!("event #{i}"), &each, event, &mut failures)?;
+                }
+            }
+        }
+        if let Some(check) = &s.last_event {
+            match events.len().checked_sub(1) {
+                Some(i) => {
+                    let label = format!("last event (#{i})");
+                    self.check_event(&label, check, &events[i], &mut failures)?;
+                }
+                None => failures.push("a last event expected, the stream delivered none".into()),
+            }
+        }
+        if let Some(limit) = heartbeat {
+            let limit = Duration::from_secs(u64::try_from(limit).unwrap_or(0));
+            if record.longest_silence > limit {
+                failures.push(format!(
+                    "silent for {:.1}s, heartbeats due every {}s",
+                    record.longest_silence.as_secs_f64(),
+                    limit.as_secs()
+                ));
+            }
+        }
+        if let Some(seen) = probed
+            && matches!(
+                record.end,
+                EndReason::Eof | EndReason::Stopped | EndReason::Cut
+            )
+            && !events.is_empty()
+            && let Some(msg) = self.compare_interop(seen, &events)
+        {
+            failures.push(msg);
+        }
+        if let Some(name) = &s.measure_first_frame {
+            match record.first_frame {
+                Some(t) => {
+                    self.measurements.insert(name.clone(), t.as_secs_f64());
+                }
+                None => failures.push("no frame arrived to measure".into()),
+            }
+        }
+        if let Some(name) = &s.measure_eof {
+            match record.eof {
+                Some(t) => {
+                    self.measurements.insert(name.clone(), t.as_secs_f64());
+                }
+                None => failures
+                    .push("the stream did not end, so time to EOF cannot be measured".into()),
+            }
+        }
+        if !failures.is_empty() {
+            return Err(StepError::Fail(failures.join("; ")));
+        }
+        if let Some(name) = &s.capture_last_id {
+            let last = events
+                .iter()
+                .rev()
+                .find_map(|e| e.id.clone())
+                .unwrap_or(record.last_event_id);
+            self.vars
+                .captures
+                .insert(name.value.clone(), Value::String(last));
+        }
+        Ok(())
+    }
+
+    /// Adds to `failures` what `event` (called `label` in messages) breaks of `check`.
+    fn check_event(
+        &self,
+        label: &str,
+        check: &crate::scenario::EventCheck,
+        event: &crate::sse::Event,
+        failures: &mut Vec<String>,
+    ) -> Result<(), StepError> {
+        if let Some(want) = &check.event
+            && &event.event != want
+        {
+            failures.push(format!("{label} is `{}`, expected `{want}`", event.event));
+        }
+        if let Some(id) = &check.id {
+            let want = self.vars.render(id)?;
+            if event.id.as_deref() != Some(want.as_str()) {
+                failures.push(format!("{label} id {:?}, expected {want:?}", event.id));
+            }
+        }
+        if !check.data.is_empty() {
+            match serde_json::from_str::<Value>(&event.data) {
+                Ok(data) => {
+                    for c in &check.data {
+                        if let Err(msg) = json_check(c, &data, &self.vars) {
+                            failures.push(format!("{label} data {msg}"));
+                        }
+                    }
+                }
+                Err(_) => failures.push(format!("{label} data is not JSON")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the same stream with `eventsource-client`; a difference in event types or ids
+    /// is a failure message. Only plain-HTTP targets are probed (the probe has no TLS stack).
+    /// Reads the same stream with `eventsource-client`, when the `interop` feature is on and
+    /// the step allows it. Only plain-HTTP targets are probed (the probe has no TLS stack),
+    /// and only streams authenticated as a principal with no extra headers (the run's canary
+    /// aside).
+    fn interop_probe(
+        &self,
+        s: &Sse,
+        p: &Prepared,
+        last_event_id: Option<String>,
+        stop: Stop,
+        deadline: Duration,
+    ) -> impl std::future::Future<Output = Probed> + use<> {
+        let plain = self.base(p.via).starts_with("http://")
+            && !p.literal_auth
+            && p.headers
+                .iter()
+                .all(|(k, _)| k == "Accept" || k == "Last-Event-ID" || k == CANARY_HEADER)
+            && p.headers
+                .iter()
+                .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));
+        let enabled = cfg!(feature = "interop") && s.interop && plain;
+        let url = format!("{}{}", self.base(p.via), p.target);
+        let bearer = self.token(p.principal).map(str::to_owned);
+        let cut_after = s.cut_after.map(|n| n as usize);
+        async move {
+            if !enabled {
+                return None;
+            }
+            #[cfg(feature = "interop")]
+            {
+                Some(
+                    crate::sse::interop::consume(
+                        url,
+                        bearer,
+                        last_event_id,
+                        stop,
+                        cut_after,
+                        deadline,
+                    )
+                    .await,
+                )
+            }
+            #[cfg(not(feature = "interop"))]
+            {
+                let _ = (url, bearer, last_event_id, stop, cut_after, deadline);
+                None
+            }
+        }
+    }
+
+    /// A failure message when `eventsource-client` saw other event types or ids than the
+    /// strict parser.
+    fn compare_interop(
+        &mut self,
+        seen: Result<Seen, String>,
+        events: &[crate::sse::Event],
+    ) -> Option<String> {
+        let seen = match seen {
+            Ok(seen) => seen,
+            Err(e) => return Some(format!("interop: {e}")),
+        };
+        let strict: Vec<(&str, Option<&str>)> = events
+            .iter()
+            .map(|e| (e.event.as_str(), e.id.as_deref()))
+            .collect();
+        // Ids are compared where the strict parser saw an `id:` line; the probe reports the
+        // persisted last id on events without one.
+        let same = seen.len() == strict.len()
+            && seen
+                .iter()
+                .zip(&strict)
+                .all(|((t, id), (st, sid))| t == st && (sid.is_none() || id.as_deref() == *sid));
+        self.note(format!(
+            "interop: eventsource-client read {} events",
+            seen.len()
+        ));
+        if same {
+            None
+        } else {
+            Some(format!(
+                "interop: eventsource-client saw {seen:?}, the strict parser saw {strict:?}"
+            ))
+        }
+    }
+}
