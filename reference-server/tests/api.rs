@@ -1724,6 +1724,8 @@ mod defects {
         );
     }
 
+    /// Output a process writes after its stream's client went away is lost; what the stream
+    /// carried before stays readable, and a process nobody streamed keeps everything.
     #[tokio::test]
     async fn output_lost_on_disconnect() {
         let app = with("output-lost-on-disconnect").await;
@@ -1731,15 +1733,43 @@ mod defects {
             .as_str()
             .unwrap()
             .to_owned();
-        let p = app.start(ALICE, &id, &["echo", "unseen"]).await;
-        let pid = p["id"].as_str().unwrap();
-        app.wait_process(ALICE, pid).await;
+        let p = app
+            .start(ALICE, &id, &["sh", "-c", "echo seen; sleep 1; echo unseen"])
+            .await;
+        let pid = p["id"].as_str().unwrap().to_owned();
+        let mut stream = RawSse::open(
+            &app,
+            &format!("/v1/processes/{pid}/events"),
+            ALICE,
+            &sse_headers(),
+        )
+        .await;
+        assert_eq!(stream.status, 200);
+        loop {
+            let frame = stream
+                .next(Duration::from_secs(10))
+                .await
+                .expect("the first output arrives");
+            if frame.field("event") == Some("stdout") {
+                break;
+            }
+        }
+        drop(stream);
+        app.wait_process(ALICE, &pid).await;
         let out = app
             .get(ALICE, &format!("/v1/processes/{pid}/output"))
             .await
             .ok(200);
-        assert_eq!(out["stdout"], "");
+        assert_eq!(out["stdout"], "seen\n");
         assert_eq!(out["complete"], false);
+        let quiet = app.start(ALICE, &id, &["echo", "kept"]).await;
+        let quiet = quiet["id"].as_str().unwrap();
+        app.wait_process(ALICE, quiet).await;
+        let out = app
+            .get(ALICE, &format!("/v1/processes/{quiet}/output"))
+            .await
+            .ok(200);
+        assert_eq!(out["stdout"], "kept\n");
     }
 
     /// A sandbox with a process that runs for a minute; its event stream path.
