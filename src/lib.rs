@@ -17,6 +17,8 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
+//! - [`mcp`]: the MCP client session that drives a sandbox MCP server under test over its
+//!   stdio (the official `rmcp` SDK), and the transcript of what was exchanged.
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
@@ -29,6 +31,7 @@ pub mod cli;
 pub mod engine;
 pub mod evidence;
 pub mod live;
+pub mod mcp;
 pub mod report;
 pub mod scenario;
 pub mod sse;
