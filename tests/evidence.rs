@@ -1410,14 +1410,7 @@ fn a_canary_in_a_failed_transcript_is_named_where_it_arose() {
 
 /// A fresh Ed25519 key, made for this test only.
 fn signing_key() -> SigningKey {
-    use base64::Engine as _;
-    let der =
-        ring::signature::Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new()).unwrap();
-    let pem = format!(
-        "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
-        base64::engine::general_purpose::STANDARD.encode(der.as_ref())
-    );
-    SigningKey::from_pem(&pem, Path::new("test-key.pem")).unwrap()
+    SigningKey::generate()
 }
 
 fn public(key: &SigningKey) -> VerifyingKey {

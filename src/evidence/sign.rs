@@ -127,6 +127,19 @@ impl SigningKey {
     }
 
     /// `path` only names the source in errors.
+    /// A fresh key made in memory and never written anywhere: for tests, which must not
+    /// commit keys.
+    pub fn generate() -> SigningKey {
+        let der = Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new())
+            .expect("the system random source works");
+        let pair = Ed25519KeyPair::from_pkcs8(der.as_ref()).expect("a fresh PKCS#8 key parses");
+        let keyid = sha256_hex(&spki_der(pair.public_key().as_ref()));
+        SigningKey {
+            pair: Arc::new(pair),
+            keyid,
+        }
+    }
+
     pub fn from_pem(text: &str, path: &Path) -> Result<SigningKey, KeyError> {
         let Some(der) = pem_block(text, "PRIVATE KEY") else {
             let hint = if text.contains("ENCRYPTED PRIVATE KEY") {
@@ -266,15 +279,9 @@ pub(crate) fn envelope_problems(envelope: &Envelope, receipt: &[u8]) -> Vec<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ring::rand::SystemRandom;
 
     fn fresh() -> SigningKey {
-        let der = Ed25519KeyPair::generate_pkcs8(&SystemRandom::new()).unwrap();
-        let pem = format!(
-            "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
-            B64.encode(der.as_ref())
-        );
-        SigningKey::from_pem(&pem, Path::new("k.pem")).unwrap()
+        SigningKey::generate()
     }
 
     #[test]
