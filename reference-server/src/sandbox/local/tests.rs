@@ -919,14 +919,20 @@ async fn cgroups_of_a_crashed_instance_are_reaped_at_start() {
         .spawn()
         .unwrap();
     let mut orphan = KillOnDrop(orphan);
-    // Providers that other tests start at the same time reap it too; set it up again until
-    // the process is in the stale cgroup.
-    loop {
-        std::fs::create_dir_all(&stale).unwrap();
-        if std::fs::write(stale.join("cgroup.procs"), orphan.0.id().to_string()).is_ok() {
+    // Providers that other tests start at the same time reap it too, even between the
+    // creation of its parent and its own; set it up again until the process is in the stale
+    // cgroup.
+    let mut placed = false;
+    for _ in 0..10_000 {
+        if std::fs::create_dir_all(&stale).is_ok()
+            && std::fs::write(stale.join("cgroup.procs"), orphan.0.id().to_string()).is_ok()
+        {
+            placed = true;
             break;
         }
+        std::thread::yield_now();
     }
+    assert!(placed, "the orphan could not be placed in {}", stale.display());
 
     let other = fixture().await;
     assert!(other.provider.isolation().cgroups);
