@@ -1,0 +1,319 @@
+//! The MCP client session against a real MCP server process: `sandspec mcp` over the
+//! reference server's E2B control plane. Each guarantee of the reference MCP server is shown
+//! to hold, and to break under the defect that is its negative control, as seen on the control
+//! plane by a fresh client.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use sandspec::mcp::{McpSession, ServerCommand, Shutdown};
+use serde_json::{Value, json};
+
+const KEY: &str = "alice-token";
+/// Long enough for `sandspec mcp` to dispose of what it owns after stdin closes.
+const GRACE: Duration = Duration::from_secs(20);
+
+/// A reference server on a loopback port, in a runtime of its own so that it stops cleanly.
+struct ControlPlane {
+    base: String,
+    http: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl ControlPlane {
+    async fn start() -> Self {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = reference_server::config::Config::for_tests(dir.path().join("data"));
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                let server = reference_server::server::Server::build(listener, config)
+                    .await
+                    .expect("build server");
+                addr_tx.send(server.local_addr()).expect("send addr");
+                server
+                    .serve(async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await
+                    .expect("serve");
+            });
+        });
+        let addr =
+            tokio::task::spawn_blocking(move || addr_rx.recv_timeout(Duration::from_secs(30)))
+                .await
+                .expect("join")
+                .expect("server did not start");
+        Self {
+            base: format!("http://{addr}"),
+            http: reqwest::Client::new(),
+            stop: Some(stop_tx),
+            thread: Some(thread),
+            _dir: dir,
+        }
+    }
+
+    /// One E2B control-plane call as a fresh client: (status, JSON body or null).
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut rb = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .header("X-API-Key", KEY);
+        if let Some(body) = body {
+            rb = rb.json(&body);
+        }
+        let resp = rb.send().await.expect("send");
+        let status = resp.status().as_u16();
+        let text = resp.text().await.expect("body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// A sandbox created by another client, as an agent would be handed one to borrow.
+    async fn borrowed_sandbox(&self) -> String {
+        let (status, body) = self
+            .call(
+                Method::POST,
+                "/sandboxes",
+                Some(json!({"templateID": "base", "timeout": 600})),
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["sandboxID"].as_str().expect("sandboxID").to_owned()
+    }
+
+    /// The IDs of the team's running sandboxes.
+    async fn listed(&self) -> Vec<String> {
+        let (status, body) = self.call(Method::GET, "/sandboxes", None).await;
+        assert_eq!(status, 200, "{body}");
+        body.as_array()
+            .expect("a list")
+            .iter()
+            .map(|s| s["sandboxID"].as_str().expect("sandboxID").to_owned())
+            .collect()
+    }
+
+    async fn mcp(&self, defects: &[&str]) -> McpSession {
+        let mut argv = vec![env!("CARGO_BIN_EXE_sandspec").to_owned(), "mcp".to_owned()];
+        for d in defects {
+            argv.extend(["--defect".to_owned(), (*d).to_owned()]);
+        }
+        let cmd = ServerCommand {
+            argv,
+            env: vec![
+                ("E2B_API_URL".into(), self.base.clone()),
+                ("E2B_API_KEY".into(), KEY.into()),
+            ],
+        };
+        McpSession::start(&cmd).await.expect("start sandspec mcp")
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn handle(reply: &sandspec::mcp::ToolReply) -> String {
+    assert!(!reply.is_error, "{}", reply.text);
+    reply.value["handle"].as_str().expect("a handle").to_owned()
+}
+
+/// Connects to a borrowed sandbox and creates one, then shuts down: (borrowed ID, its
+/// detail before, created handle).
+async fn borrow_create_shutdown(
+    cp: &ControlPlane,
+    session: &mut McpSession,
+) -> (String, Value, String) {
+    let borrowed = cp.borrowed_sandbox().await;
+    let (_, before) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    let tools = session.list_tools().await.expect("tools/list");
+    for t in ["create_sandbox", "connect_sandbox", "kill_sandbox"] {
+        assert!(tools.iter().any(|n| n == t), "{t} missing from {tools:?}");
+    }
+    let reply = session
+        .call_tool("connect_sandbox", json!({"handle": borrowed}))
+        .await
+        .expect("connect");
+    handle(&reply);
+    let reply = session
+        .call_tool("create_sandbox", json!({}))
+        .await
+        .expect("create");
+    let created = handle(&reply);
+    assert_eq!(
+        session.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::ExitedOnEof
+    );
+    (borrowed, before, created)
+}
+
+fn bare(handle: &str) -> &str {
+    handle.strip_prefix("e2b:").unwrap_or(handle)
+}
+
+#[tokio::test]
+async fn shutdown_kills_what_the_session_created_and_leaves_what_it_borrowed() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&[]).await;
+    let (borrowed, before, created) = borrow_create_shutdown(&cp, &mut session).await;
+
+    assert!(
+        created.starts_with("e2b:"),
+        "handle {created} is not provider-qualified"
+    );
+    let (status, after) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    assert_eq!(status, 200, "the borrowed sandbox is gone: {after}");
+    assert_eq!(after["state"], before["state"]);
+    assert_eq!(
+        after["endAt"], before["endAt"],
+        "the borrowed sandbox's TTL changed"
+    );
+    let (status, _) = cp
+        .call(Method::GET, &format!("/sandboxes/{}", bare(&created)), None)
+        .await;
+    assert_eq!(status, 404, "the created sandbox outlived the session");
+    assert_eq!(cp.listed().await, vec![borrowed]);
+
+    let methods: Vec<&str> = session
+        .exchanges()
+        .iter()
+        .map(|e| e.method.as_str())
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            "initialize",
+            "tools/list",
+            "tools/call",
+            "tools/call",
+            "shutdown"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn defect_kills_borrowed_at_shutdown_is_seen_on_the_control_plane() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&["mcp-kills-borrowed-at-shutdown"]).await;
+    let (borrowed, _, _) = borrow_create_shutdown(&cp, &mut session).await;
+    let (status, _) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    assert_eq!(status, 404);
+    assert!(cp.listed().await.is_empty());
+}
+
+#[tokio::test]
+async fn defect_bare_handles_drops_the_provider() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&["mcp-bare-handles"]).await;
+    let (_, _, created) = borrow_create_shutdown(&cp, &mut session).await;
+    assert!(!created.contains(':'), "{created}");
+}
+
+#[tokio::test]
+async fn an_unmet_resource_requirement_is_refused_and_leaves_nothing() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&[]).await;
+    // The reference control plane grants 1 CPU and 512 MB to every E2B sandbox.
+    let reply = session
+        .call_tool("create_sandbox", json!({"memory_mb": 1024}))
+        .await
+        .expect("create");
+    assert!(reply.is_error, "{:?}", reply.value);
+    assert!(
+        reply.text.contains("memory_mb 1024 asked, 512 granted"),
+        "{}",
+        reply.text
+    );
+    assert!(
+        cp.listed().await.is_empty(),
+        "the refused sandbox was left behind"
+    );
+    let reply = session
+        .call_tool("create_sandbox", json!({"cpu": 1, "memory_mb": 512}))
+        .await
+        .expect("create");
+    handle(&reply);
+    assert_eq!(cp.listed().await.len(), 1);
+    session.shutdown(GRACE).await.expect("shutdown");
+    assert!(cp.listed().await.is_empty());
+}
+
+#[tokio::test]
+async fn defect_unverified_resources_keeps_the_undersized_sandbox() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&["mcp-unverified-resources"]).await;
+    let reply = session
+        .call_tool("create_sandbox", json!({"memory_mb": 1024}))
+        .await
+        .expect("create");
+    handle(&reply);
+    assert_eq!(cp.listed().await.len(), 1);
+    session.shutdown(GRACE).await.expect("shutdown");
+}
+
+#[tokio::test]
+async fn a_bad_argument_is_a_tool_error_and_changes_nothing() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&[]).await;
+    for (tool, args, says) in [
+        (
+            "create_sandbox",
+            json!({"memory": 1}),
+            "unknown argument `memory`",
+        ),
+        (
+            "create_sandbox",
+            json!({"cpu": 0}),
+            "`cpu` must be a positive integer",
+        ),
+        (
+            "connect_sandbox",
+            json!({}),
+            "`handle` (a string) is required",
+        ),
+        (
+            "connect_sandbox",
+            json!({"handle": "daytona:x1"}),
+            "names provider `daytona`",
+        ),
+        ("kill_sandbox", json!({"handle": "e2b:nosuchsandbox"}), ""),
+    ] {
+        let reply = session.call_tool(tool, args).await.expect("call");
+        if tool == "kill_sandbox" {
+            // Killing what is already gone is not an error: the sandbox is not there either way.
+            assert!(!reply.is_error, "{}", reply.text);
+        } else {
+            assert!(
+                reply.is_error && reply.text.contains(says),
+                "{tool}: {}",
+                reply.text
+            );
+        }
+    }
+    assert!(cp.listed().await.is_empty());
+    session.shutdown(GRACE).await.expect("shutdown");
+}
