@@ -317,3 +317,59 @@ async fn a_bad_argument_is_a_tool_error_and_changes_nothing() {
     assert!(cp.listed().await.is_empty());
     session.shutdown(GRACE).await.expect("shutdown");
 }
+
+#[tokio::test]
+async fn a_create_in_flight_at_shutdown_is_disposed_of_when_it_completes() {
+    let cp = ControlPlane::start().await;
+    let borrowed = cp.borrowed_sandbox().await;
+    let mut session = cp.mcp(&[]).await;
+    session
+        .call_tool("connect_sandbox", json!({"handle": borrowed}))
+        .await
+        .expect("connect");
+    let late = shutdown_during_a_create(&cp, &mut session, Some(&borrowed)).await;
+    let (status, _) = cp
+        .call(Method::GET, &format!("/sandboxes/{late}"), None)
+        .await;
+    assert_eq!(status, 404, "the late sandbox leaked");
+    assert_eq!(
+        cp.listed().await,
+        vec![borrowed],
+        "only the late sandbox is disposed of"
+    );
+}
+
+/// Starts a create that the control plane holds for a while, waits until the control plane
+/// has its record (besides `borrowed`), and ends the session with the create still in flight:
+/// the late sandbox's ID.
+async fn shutdown_during_a_create(
+    cp: &ControlPlane,
+    session: &mut McpSession,
+    borrowed: Option<&str>,
+) -> String {
+    let http = reqwest::Client::new();
+    let resp = http
+        .post(format!("{}/v1/test/providers/local/create_delay", cp.base))
+        .bearer_auth("admin-token")
+        .json(&json!({"delay_ms": 3000}))
+        .send()
+        .await
+        .expect("create_delay");
+    assert_eq!(resp.status().as_u16(), 204);
+    let _in_flight = session
+        .call_tool_in_flight("create_sandbox", serde_json::Map::new())
+        .expect("send create");
+    let id = loop {
+        if let Some(id) = cp
+            .listed()
+            .await
+            .into_iter()
+            .find(|id| Some(id.as_str()) != borrowed)
+        {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    session.shutdown(GRACE).await.expect("shutdown");
+    id
+}

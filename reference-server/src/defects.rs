@@ -168,8 +168,6 @@ pub enum Defect {
     McpBareHandles,
     /// `sandspec mcp` keeps a sandbox whose granted resources are below what was asked.
     McpUnverifiedResources,
-    /// `sandspec mcp` forgets a create still in flight at shutdown, leaking its sandbox.
-    McpLateCreateLeaks,
 }
 
 impl Defect {
@@ -245,7 +243,6 @@ impl Defect {
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
-        Defect::McpLateCreateLeaks,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -321,7 +318,6 @@ impl Defect {
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
-            Defect::McpLateCreateLeaks => "mcp-late-create-leaks",
         }
     }
 
@@ -432,7 +428,6 @@ impl Defect {
             Defect::McpUnverifiedResources => {
                 "MCP: a sandbox granted less than the explicit requirement is kept"
             }
-            Defect::McpLateCreateLeaks => "MCP: a create still in flight at shutdown leaks",
         }
     }
 }

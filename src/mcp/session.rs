@@ -211,6 +211,29 @@ impl McpSession {
         }
     }
 
+    /// Sends a `tools/call` and returns without waiting for its answer, so that the session
+    /// can be ended while the call is in flight. The request is recorded with its result
+    /// `{"in_flight": true}`: its answer, if any comes, belongs to a session that has ended.
+    pub fn call_tool_in_flight(
+        &mut self,
+        name: &str,
+        arguments: JsonObject,
+    ) -> Result<tokio::task::JoinHandle<Result<ToolReply, String>>, McpError> {
+        let peer = self.client("tools/call")?.peer().clone();
+        self.exchanges.push(Exchange {
+            method: "tools/call".into(),
+            params: serde_json::json!({ "name": name, "arguments": arguments }),
+            result: serde_json::json!({ "in_flight": true }),
+        });
+        let request = CallToolRequestParams::new(name.to_owned()).with_arguments(arguments);
+        Ok(tokio::spawn(async move {
+            peer.call_tool(request)
+                .await
+                .map(|r| reply_of(&r))
+                .map_err(|e| e.to_string())
+        }))
+    }
+
     fn failed(&mut self, method: &str, params: Value, message: String) -> McpError {
         self.exchanges.push(Exchange {
             method: method.into(),

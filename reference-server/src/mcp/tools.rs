@@ -201,9 +201,7 @@ impl SandboxTools {
             s.closed
         };
         if late {
-            if !has(&self.defects, Defect::McpLateCreateLeaks) {
-                let _ = self.control.kill(&id).await;
-            }
+            let _ = self.control.kill(&id).await;
             return refused("the session ended while the sandbox was being created; it was killed");
         }
         if (cpu.is_some() || memory_mb.is_some())
@@ -287,10 +285,8 @@ impl SandboxTools {
                 tracing::warn!(sandbox = %id, error = %e, "failed to kill a sandbox at shutdown");
             }
         }
-        if !has(&self.defects, Defect::McpLateCreateLeaks) {
-            let mut rx = self.in_flight.subscribe();
-            let _ = rx.wait_for(|n| *n == 0).await;
-        }
+        let mut rx = self.in_flight.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
     }
 }
 
