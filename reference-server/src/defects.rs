@@ -164,6 +164,8 @@ pub enum Defect {
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
+    /// `sandspec mcp` leaves the sandboxes it created running at shutdown.
+    McpKeepsCreatedAtShutdown,
     /// `sandspec mcp` returns bare sandbox IDs as handles, without their provider.
     McpBareHandles,
     /// `sandspec mcp` keeps a sandbox whose granted resources are below what was asked.
@@ -241,6 +243,7 @@ impl Defect {
         Defect::E2bFileBytesAltered,
         Defect::E2bAccessTokenUnchecked,
         Defect::McpKillsBorrowedAtShutdown,
+        Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
     ];
@@ -316,6 +319,7 @@ impl Defect {
             Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
             Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
+            Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
         }
@@ -423,6 +427,9 @@ impl Defect {
             Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
+            }
+            Defect::McpKeepsCreatedAtShutdown => {
+                "MCP: shutdown leaves the sandboxes the session created running"
             }
             Defect::McpBareHandles => "MCP: handles are bare IDs without their provider",
             Defect::McpUnverifiedResources => {

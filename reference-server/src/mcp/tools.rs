@@ -275,6 +275,9 @@ impl SandboxTools {
             let mut s = lock(&self.state);
             s.closed = true;
             let mut doomed: Vec<String> = std::mem::take(&mut s.created).into_iter().collect();
+            if has(&self.defects, Defect::McpKeepsCreatedAtShutdown) {
+                doomed.clear();
+            }
             if has(&self.defects, Defect::McpKillsBorrowedAtShutdown) {
                 doomed.extend(std::mem::take(&mut s.borrowed));
             }
