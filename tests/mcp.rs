@@ -373,3 +373,109 @@ async fn shutdown_during_a_create(
     session.shutdown(GRACE).await.expect("shutdown");
     id
 }
+
+/// Installs `agent-sandbox-client==0.4.0a6` (PyPI) in a virtualenv under the target directory
+/// and returns its Python, or `None` when it cannot be installed: a visible skip locally, a
+/// failure under `CI=true`.
+fn agent_sandbox_client() -> Option<std::path::PathBuf> {
+    use std::process::Command;
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let unavailable = |why: String| {
+        assert!(!in_ci, "agent-sandbox-client is required in CI: {why}");
+        eprintln!("SKIPPED: agent-sandbox-client is unavailable: {why}");
+        None
+    };
+    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("agent-sandbox-client-venv");
+    let python = venv.join("bin").join("python");
+    let marker = venv.join("installed-0.4.0a6");
+    if !marker.exists() {
+        match Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
+        }
+        match Command::new(venv.join("bin").join("pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "agent-sandbox-client==0.4.0a6",
+            ])
+            .status()
+        {
+            Ok(s) if s.success() => std::fs::write(&marker, b"").expect("marker"),
+            other => {
+                let _ = std::fs::remove_dir_all(&venv);
+                return unavailable(format!(
+                    "pip install agent-sandbox-client==0.4.0a6 failed: {other:?}"
+                ));
+            }
+        }
+    }
+    Some(python)
+}
+
+/// What a run of the MCP catalog says, one line per scenario, with the values that change
+/// from run to run (sandbox IDs, ports) replaced.
+fn normalized_summary(results: &[(String, sandspec::engine::Outcome)]) -> String {
+    let ids = regex::Regex::new(r"\b[0-9a-z]{26}\b").expect("static regex");
+    let ports = regex::Regex::new(r"127\.0\.0\.1:\d+").expect("static regex");
+    let mut out = String::new();
+    for (id, outcome) in results {
+        let line = format!("{id}: {outcome}");
+        let line = ids.replace_all(&line, "<sandbox>");
+        let line = ports.replace_all(&line, "127.0.0.1:<port>");
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// The published `agent-sandbox-client` 0.4.0a6 MCP server over the reference server's E2B
+/// surface, through the MCP catalog with the suite's `agent-sandbox-client` tool map: the
+/// outcome of each scenario is pinned (`docs/findings/agent-sandbox-client-0.4.0a6-mcp.md`).
+#[test]
+fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
+    let Some(python) = agent_sandbox_client() else {
+        return;
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let catalog =
+        sandspec::scenario::load_dir(&sandspec::profile::Api::Mcp.catalog(&dir)).expect("catalog");
+    let home = tempfile::tempdir().expect("home");
+    let results = rt.block_on(async {
+        let options = sandspec::target::ReferenceOptions {
+            binary: env!("CARGO_BIN_EXE_sandspec").into(),
+            defects: vec![],
+            database_url: None,
+            extra_args: vec![],
+            serve_defaults: false,
+        };
+        let mut target = sandspec::target::Target::start_reference(&options)
+            .await
+            .expect("reference server")
+            .speaking(sandspec::profile::Api::Mcp);
+        let mut command =
+            ServerCommand::parse(&format!("{} -m agent_sandbox.agent.mcp", python.display()))
+                .expect("command");
+        // The package reads its configuration from the home directory too: an empty one.
+        command.env = vec![("HOME".into(), home.path().display().to_string())];
+        target.mcp = Some(sandspec::mcp::McpServer {
+            command,
+            map: sandspec::mcp::ToolMap::load("agent-sandbox-client").expect("map"),
+        });
+        let mut results = Vec::new();
+        for s in &catalog {
+            let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
+            let run = sandspec::engine::run_scenario(&target, &s.scenario, &run_id).await;
+            results.push((s.id().to_owned(), run.outcome));
+        }
+        results
+    });
+    insta::assert_snapshot!(normalized_summary(&results));
+}

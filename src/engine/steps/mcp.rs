@@ -85,8 +85,16 @@ impl Ctx<'_> {
             let command = ServerCommand {
                 argv: server.command.argv.clone(),
                 env: server
-                    .map
-                    .environment(&self.target.base_url, &self.target.tokens.owner),
+                    .command
+                    .env
+                    .iter()
+                    .cloned()
+                    .chain(
+                        server
+                            .map
+                            .environment(&self.target.base_url, &self.target.tokens.owner),
+                    )
+                    .collect(),
             };
             self.secrets.push(self.target.tokens.owner.clone());
             let session = tokio::time::timeout(CALL_WAIT, McpSession::start(&command))
