@@ -376,8 +376,17 @@ async fn shutdown_during_a_create(
 
 /// Installs `agent-sandbox-client==0.4.0a6` (PyPI) in a virtualenv under the target directory
 /// and returns its Python, or `None` when it cannot be installed: a visible skip locally, a
-/// failure under `CI=true`.
+/// failure under `CI=true`. Installed once per test binary, so the tests that use it do not
+/// race on the virtualenv.
 fn agent_sandbox_client() -> Option<std::path::PathBuf> {
+    static INSTALLED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _once = INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    install_agent_sandbox_client()
+}
+
+fn install_agent_sandbox_client() -> Option<std::path::PathBuf> {
     use std::process::Command;
     let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
     let unavailable = |why: String| {
@@ -478,4 +487,94 @@ fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
         results
     });
     insta::assert_snapshot!(normalized_summary(&results));
+}
+
+/// The package's MCP server over `cp`, as the `agent-sandbox-client` tool map starts it.
+async fn agent_sandbox_client_session(
+    cp: &ControlPlane,
+    python: &std::path::Path,
+    home: &std::path::Path,
+) -> McpSession {
+    let map = sandspec::mcp::ToolMap::load("agent-sandbox-client").expect("map");
+    let mut env = vec![
+        (map.env.url.clone(), cp.base.clone()),
+        (map.env.key.clone(), KEY.to_owned()),
+        ("HOME".to_owned(), home.display().to_string()),
+    ];
+    env.extend(map.env.extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let cmd = ServerCommand {
+        argv: vec![
+            python.display().to_string(),
+            "-m".into(),
+            "agent_sandbox.agent.mcp".into(),
+        ],
+        env,
+    };
+    McpSession::start(&cmd)
+        .await
+        .expect("start agent_sandbox.agent.mcp")
+}
+
+/// What the package's MCP server does to a sandbox another client created, once the agent
+/// has used it with a tool (`run_command` given its `sandbox_id`), seen on the control plane
+/// by a fresh client: the tool's answer, the sandbox's end after the call and after the
+/// session ends. MCP-OWN-001 stops at that call, because the package cannot reach envd on
+/// this machine; the control plane still shows what the session did with the sandbox
+/// (`docs/findings/agent-sandbox-client-0.4.0a6-mcp.md`).
+#[tokio::test]
+async fn agent_sandbox_client_0_4_0a6_and_a_borrowed_sandbox() {
+    let Some(python) = tokio::task::spawn_blocking(agent_sandbox_client)
+        .await
+        .expect("join")
+    else {
+        return;
+    };
+    let cp = ControlPlane::start().await;
+    let home = tempfile::tempdir().expect("home");
+    let borrowed = cp.borrowed_sandbox().await;
+    let detail = |body: &Value| (body["state"].clone(), body["endAt"].clone());
+    let (_, before) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    let (state_before, end_before) = detail(&before);
+
+    let mut session = agent_sandbox_client_session(&cp, &python, home.path()).await;
+    let reply = session
+        .call_tool(
+            "run_command",
+            json!({"sandbox_id": borrowed, "command": "true"}),
+        )
+        .await
+        .expect("run_command");
+    let (status, during) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    assert_eq!(status, 200, "{during}");
+    let (state_during, end_during) = detail(&during);
+    let ended = session.shutdown(GRACE).await.expect("shutdown");
+    let (status_after, _) = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+
+    let moved = |end: &Value| match (end_before.as_str(), end.as_str()) {
+        (Some(a), Some(b)) if a == b => "unchanged",
+        (Some(a), Some(b)) => {
+            let at = |s: &str| {
+                time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+                    .unwrap_or_else(|e| panic!("endAt {s}: {e}"))
+            };
+            if at(b) < at(a) { "earlier" } else { "later" }
+        }
+        _ => panic!("endAt missing: {end_before} {end}"),
+    };
+    let summary = format!(
+        "run_command on the borrowed sandbox: isError {}: {}\n\
+         the borrowed sandbox after the call: {state_during} (was {state_before}), end {}\n\
+         the session ended: {ended:?}\n\
+         the borrowed sandbox after the session: HTTP {status_after}\n",
+        reply.is_error,
+        reply.text,
+        moved(&end_during),
+    );
+    insta::assert_snapshot!(summary);
 }
