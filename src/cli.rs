@@ -41,6 +41,25 @@ const EXIT_CODES_HELP: &str = "Exit codes:
   130  interrupted (Ctrl-C): running scenarios finished and cleaned up, evidence
      written with the scenarios that never ran";
 
+/// The MCP server of an `--api mcp` run and its tool map; `None` for other profiles.
+fn mcp_server(args: &RunArgs) -> Result<Option<crate::mcp::McpServer>, RunError> {
+    if args.api != crate::profile::Api::Mcp {
+        return match args.mcp_server {
+            Some(_) => Err(RunError::Usage("--mcp-server needs --api mcp".into())),
+            None => Ok(None),
+        };
+    }
+    let line = args
+        .mcp_server
+        .as_deref()
+        .ok_or_else(|| RunError::Usage("--api mcp needs --mcp-server \"<command line>\"".into()))?;
+    let command = crate::mcp::ServerCommand::parse(line)
+        .map_err(|e| RunError::Usage(format!("failed to {e}")))?;
+    let map = crate::mcp::ToolMap::load(&args.tool_map)
+        .map_err(|e| RunError::Usage(format!("failed to {e}")))?;
+    Ok(Some(crate::mcp::McpServer { command, map }))
+}
+
 /// The built-in catalog: `scenarios/` of this crate's source tree.
 fn default_scenarios_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios")
@@ -60,6 +79,14 @@ pub struct RunArgs {
     /// `E2b-Sandbox-Id` and `E2b-Sandbox-Port` headers.
     #[arg(long, value_name = "DOMAIN", requires = "target")]
     pub envd_domain: Option<String>,
+    /// With `--api mcp`: the command line that starts the sandbox MCP server under test on
+    /// stdio (split on whitespace; single and double quotes group), e.g. `"sandspec mcp"`.
+    #[arg(long, value_name = "COMMAND")]
+    pub mcp_server: Option<String>,
+    /// With `--api mcp`: the server's tool map, a built-in name (`reference`,
+    /// `agent-sandbox-client`) or a YAML file (`docs/profiles/mcp.md`).
+    #[arg(long, value_name = "NAME|FILE", default_value = "reference")]
+    pub tool_map: String,
     /// Base URL of the implementation under test. Without it the runner starts the reference
     /// server itself (SQLite in a temporary directory, port 0, test controls on).
     #[arg(long, value_name = "URL")]
@@ -540,6 +567,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         }
     };
     let mut target = target;
+    target.mcp = mcp_server(&args)?;
     target.request_timeout = args.request_timeout;
     target.envd_domain.clone_from(&args.envd_domain);
     target

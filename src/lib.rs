@@ -21,6 +21,8 @@
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
 //! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
 //!   clause document and how a target's support is learned.
+//! - [`mcp`]: the MCP client session that drives a sandbox MCP server under test over its
+//!   stdio (the official `rmcp` SDK), and the transcript of what was exchanged.
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
@@ -34,6 +36,7 @@ pub mod connect;
 pub mod engine;
 pub mod evidence;
 pub mod live;
+pub mod mcp;
 pub mod profile;
 pub mod report;
 pub mod scenario;

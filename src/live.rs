@@ -253,7 +253,7 @@ fn urlencode(s: &str) -> String {
 /// records without the tag are counted as ignored and never touched. Anything found is a
 /// cleanup failure of the run.
 pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
-    if target.api == crate::profile::Api::E2b {
+    if target.api.speaks_e2b() {
         return sweep_run_e2b(target, run_id).await;
     }
     let mut sweep = RunSweep::default();

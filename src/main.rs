@@ -1,6 +1,7 @@
 //! The `sandspec` command: the runner (`run`, `list`, `sweep`, `evidence verify`), the
-//! sessions worker (`worker`, internal) and `sandspec serve`
-//! (the reference server). `main` only parses arguments and calls library functions.
+//! sessions worker (`worker`, internal), `sandspec serve` (the reference server) and
+//! `sandspec mcp` (the reference sandbox MCP server). `main` only parses arguments and calls
+//! library functions.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,13 +22,16 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run scenarios against a target and judge conformance.
-    Run(sandspec::cli::RunArgs),
+    Run(Box<sandspec::cli::RunArgs>),
     /// List the scenario catalog: ID, level, clauses, title.
     List(sandspec::cli::ListArgs),
     /// Remove test resources (tagged `sandspec_run`) left by earlier, interrupted runs.
     Sweep(sandspec::cli::SweepArgs),
     /// Run the reference server.
     Serve(reference_server::cli::ServeArgs),
+    /// Run the reference sandbox MCP server on stdio, over the E2B control plane named by
+    /// E2B_API_URL and E2B_API_KEY.
+    Mcp(reference_server::mcp::McpArgs),
     /// Work with evidence folders.
     #[command(subcommand)]
     Evidence(EvidenceCommand),
@@ -54,10 +58,11 @@ enum EvidenceCommand {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Run(args) => sandspec::cli::run_blocking(args),
+        Command::Run(args) => sandspec::cli::run_blocking(*args),
         Command::List(args) => sandspec::cli::list(&args),
         Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
         Command::Serve(args) => reference_server::cli::main(args),
+        Command::Mcp(args) => reference_server::mcp::run_blocking(args),
         Command::Worker => worker(),
         Command::Evidence(EvidenceCommand::Verify { dir, key }) => ExitCode::from(
             u8::try_from(sandspec::evidence::verify_cli(&dir, key.as_deref())).unwrap_or(1),

@@ -17,16 +17,22 @@ pub enum Api {
     V1,
     /// E2B's control plane and envd (`docs/profiles/e2b.md`).
     E2b,
+    /// A sandbox MCP server driven over its stdio, checked on an E2B control plane
+    /// (`docs/profiles/mcp.md`).
+    Mcp,
 }
 
 /// The E2B clause document; scenarios of the E2B catalog cite its clause IDs.
 const E2B_CLAUSES_DOC: &str = include_str!("../docs/profiles/e2b.md");
+/// The MCP clause document; scenarios of the MCP catalog cite its clause IDs.
+const MCP_CLAUSES_DOC: &str = include_str!("../docs/profiles/mcp.md");
 
 impl Api {
     pub fn name(self) -> &'static str {
         match self {
             Api::V1 => "v1",
             Api::E2b => "e2b",
+            Api::Mcp => "mcp",
         }
     }
 
@@ -36,12 +42,19 @@ impl Api {
         match self {
             Api::V1 => root.to_owned(),
             Api::E2b => root.join("e2b"),
+            Api::Mcp => root.join("mcp"),
         }
     }
 
     /// The folders of a catalog root that belong to other profiles than `/v1`.
     pub fn profile_folders() -> &'static [&'static str] {
-        &["e2b"]
+        &["e2b", "mcp"]
+    }
+
+    /// Whether the target is an E2B control plane (the E2B profile, and the MCP profile's
+    /// servers' control plane).
+    pub fn speaks_e2b(self) -> bool {
+        matches!(self, Api::E2b | Api::Mcp)
     }
 
     /// Whether the target advertises what it supports (`GET /v1/capabilities`).
@@ -53,7 +66,7 @@ impl Api {
     pub fn credential(self, token: &str) -> (&'static str, String) {
         match self {
             Api::V1 => ("Authorization", format!("Bearer {token}")),
-            Api::E2b => ("X-API-Key", token.to_owned()),
+            Api::E2b | Api::Mcp => ("X-API-Key", token.to_owned()),
         }
     }
 }
@@ -66,16 +79,33 @@ pub fn is_e2b_clause(id: &str) -> bool {
 
 /// Every clause ID the E2B clause document defines.
 pub fn e2b_clauses() -> impl Iterator<Item = &'static str> {
+    clauses_of(E2B_CLAUSES_DOC, "E2B-")
+}
+
+/// Whether `id` is a clause of the MCP clause document.
+pub fn is_mcp_clause(id: &str) -> bool {
+    clauses_of(MCP_CLAUSES_DOC, "MCP-").any(|c| c == id)
+}
+
+/// Whether `id` is an MCP clause whose requirement is a MUST (its row says `MUST`).
+pub fn is_mcp_must_clause(id: &str) -> bool {
+    let row = format!("| `{id}` |");
+    is_mcp_clause(id)
+        && MCP_CLAUSES_DOC
+            .lines()
+            .any(|l| l.starts_with(&row) && l.contains(" MUST "))
+}
+
+fn clauses_of(doc: &'static str, prefix: &'static str) -> impl Iterator<Item = &'static str> {
     // The first table after the `## Clauses` heading, and nothing else of the page.
-    E2B_CLAUSES_DOC
-        .lines()
+    doc.lines()
         .skip_while(|line| *line != "## Clauses")
         .skip_while(|line| !line.starts_with('|'))
         .take_while(|line| line.starts_with('|'))
-        .filter_map(|line| {
+        .filter_map(move |line| {
             let rest = line.strip_prefix("| `")?;
             let (id, _) = rest.split_once('`')?;
-            id.starts_with("E2B-").then_some(id)
+            id.starts_with(prefix).then_some(id)
         })
 }
 

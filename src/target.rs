@@ -222,6 +222,8 @@ pub struct Target {
     /// How long a plain request may wait for its response headers, and then for each read of
     /// its body (`--request-timeout`); streams are bounded by their steps' deadlines.
     pub request_timeout: Duration,
+    /// The sandbox MCP server the MCP profile drives, and its tool map (`--api mcp`).
+    pub mcp: Option<crate::mcp::McpServer>,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
 }
@@ -348,6 +350,7 @@ impl Target {
             peer: None,
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            mcp: None,
             _server: None,
         })
     }
@@ -384,6 +387,7 @@ impl Target {
             peer: None,
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            mcp: None,
             _server: None,
         })
     }
@@ -432,6 +436,7 @@ impl Target {
             peer,
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            mcp: None,
             _server: Some(server),
         })
     }

@@ -5,7 +5,10 @@
 //! (`defect::<ID>::<defect>`); `controls::every-defect-caught` checks that every defect of the
 //! reference server is some MUST scenario's control. The E2B catalog (`scenarios/e2b/`) runs
 //! the same way against the reference speaking E2B, its trials named `e2b::sqlite::<ID>`,
-//! `e2b::postgres::<ID>` and `e2b::defect::<ID>::<defect>`.
+//! `e2b::postgres::<ID>` and `e2b::defect::<ID>::<defect>`. The MCP catalog (`scenarios/mcp/`)
+//! drives the reference MCP server `sandspec mcp` over the reference speaking E2B, on SQLite:
+//! `mcp::sqlite::<ID>`, and `mcp::defect::<ID>::<defect>` where the defect is the MCP
+//! server's (`sandspec mcp --defect`) and the control plane is clean.
 //!
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
@@ -84,9 +87,27 @@ fn start(store: Store<'_>, api: Api) -> Option<Target> {
         }
         Store::Sqlite | Store::Defect(_) => None,
     };
+    let binary = PathBuf::from(env!("CARGO_BIN_EXE_sandspec"));
+    // The MCP profile's defects are the MCP server's; its control plane stays clean.
+    let (control_defects, mcp) = match (api, store) {
+        (Api::Mcp, store) => {
+            let mut argv = vec![binary.display().to_string(), "mcp".to_owned()];
+            if let Store::Defect(d) | Store::PostgresDefect(d) = store {
+                argv.extend(["--defect".to_owned(), d.to_owned()]);
+            }
+            let command = sandspec::mcp::ServerCommand { argv, env: vec![] };
+            let map = sandspec::mcp::ToolMap::reference();
+            (
+                Some(Vec::<String>::new()),
+                Some(sandspec::mcp::McpServer { command, map }),
+            )
+        }
+        _ => (None, None),
+    };
     let options = ReferenceOptions {
-        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        binary,
         defects: match store {
+            _ if control_defects.is_some() => vec![],
             Store::Defect(d) | Store::PostgresDefect(d) => vec![d.to_owned()],
             Store::Sqlite | Store::Postgres => vec![],
         },
@@ -97,7 +118,9 @@ fn start(store: Store<'_>, api: Api) -> Option<Target> {
     let target = RUNTIME
         .block_on(Target::start_reference(&options))
         .unwrap_or_else(|e| panic!("failed to start the reference server: {e}"));
-    Some(target.speaking(api))
+    let mut target = target.speaking(api);
+    target.mcp = mcp;
+    Some(target)
 }
 
 /// Runs `scenario` on the shared clean server of `store`.
@@ -252,8 +275,11 @@ fn prefix(api: Api) -> String {
 
 /// Whether a loaded scenario belongs to `api`'s catalog.
 fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
-    let e2b = s.file.starts_with(Api::E2b.catalog(root));
-    e2b == (api == Api::E2b)
+    let own = |a: Api| s.file.starts_with(a.catalog(root));
+    match api {
+        Api::V1 => !own(Api::E2b) && !own(Api::Mcp),
+        other => own(other),
+    }
 }
 
 fn main() {
@@ -265,6 +291,9 @@ fn main() {
     let (e2b, e2b_errors) = load_dir_partial(&Api::E2b.catalog(&dir));
     scenarios.extend(e2b);
     errors.extend(e2b_errors);
+    let (mcp, mcp_errors) = load_dir_partial(&Api::Mcp.catalog(&dir));
+    scenarios.extend(mcp);
+    errors.extend(mcp_errors);
     let mut trials = Vec::new();
     for e in errors {
         let file = e
@@ -278,7 +307,7 @@ fn main() {
             Err(Failed::from(message))
         }));
     }
-    for api in [Api::V1, Api::E2b] {
+    for api in [Api::V1, Api::E2b, Api::Mcp] {
         for s in scenarios.iter().filter(|s| in_catalog(s, &dir, api)) {
             trials.push(must_pass(
                 format!("{}sqlite::{}", prefix(api), s.id()),
@@ -286,12 +315,16 @@ fn main() {
                 Store::Sqlite,
                 api,
             ));
-            trials.push(must_pass(
-                format!("{}postgres::{}", prefix(api), s.id()),
-                s.clone(),
-                Store::Postgres,
-                api,
-            ));
+            // The MCP server under test holds no state of its own in the database: its
+            // scenarios run on SQLite only.
+            if api != Api::Mcp {
+                trials.push(must_pass(
+                    format!("{}postgres::{}", prefix(api), s.id()),
+                    s.clone(),
+                    Store::Postgres,
+                    api,
+                ));
+            }
             let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
             for control in &s.scenario.defects {
                 trials.push(must_fail(s.clone(), control.clone(), needs_peer, api));

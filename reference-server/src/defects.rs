@@ -161,6 +161,15 @@ pub enum Defect {
     E2bFileBytesAltered,
     /// envd does not check `X-Access-Token` on secure sandboxes.
     E2bAccessTokenUnchecked,
+    // The reference MCP server (crate::mcp).
+    /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
+    McpKillsBorrowedAtShutdown,
+    /// `sandspec mcp` leaves the sandboxes it created running at shutdown.
+    McpKeepsCreatedAtShutdown,
+    /// `sandspec mcp` returns bare sandbox IDs as handles, without their provider.
+    McpBareHandles,
+    /// `sandspec mcp` keeps a sandbox whose granted resources are below what was asked.
+    McpUnverifiedResources,
 }
 
 impl Defect {
@@ -233,6 +242,10 @@ impl Defect {
         Defect::E2bLateConnectLosesExit,
         Defect::E2bFileBytesAltered,
         Defect::E2bAccessTokenUnchecked,
+        Defect::McpKillsBorrowedAtShutdown,
+        Defect::McpKeepsCreatedAtShutdown,
+        Defect::McpBareHandles,
+        Defect::McpUnverifiedResources,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -305,6 +318,10 @@ impl Defect {
             Defect::E2bLateConnectLosesExit => "e2b-late-connect-loses-exit",
             Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
             Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
+            Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
+            Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
+            Defect::McpBareHandles => "mcp-bare-handles",
+            Defect::McpUnverifiedResources => "mcp-unverified-resources",
         }
     }
 
@@ -408,6 +425,16 @@ impl Defect {
             }
             Defect::E2bFileBytesAltered => "E2B: uploaded bytes that are not UTF-8 are altered",
             Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
+            Defect::McpKillsBorrowedAtShutdown => {
+                "MCP: shutdown kills the sandboxes the session only connected to"
+            }
+            Defect::McpKeepsCreatedAtShutdown => {
+                "MCP: shutdown leaves the sandboxes the session created running"
+            }
+            Defect::McpBareHandles => "MCP: handles are bare IDs without their provider",
+            Defect::McpUnverifiedResources => {
+                "MCP: a sandbox granted less than the explicit requirement is kept"
+            }
         }
     }
 }

@@ -29,6 +29,7 @@ pub mod defects;
 pub mod domain;
 pub mod e2b;
 pub mod gateway;
+pub mod mcp;
 pub mod model_fixture;
 pub mod sandbox;
 pub mod server;

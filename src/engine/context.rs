@@ -87,6 +87,9 @@ pub(super) struct Ctx<'a> {
     /// Whether this run holds the target's background expiry (from its first `digest` step
     /// until after cleanup).
     pub(super) expiry_held: bool,
+    /// The MCP server processes of the run by session name (MCP profile); the steps end
+    /// them, and whatever a failed step left running is ended before the cleanup.
+    pub(super) mcp_sessions: BTreeMap<String, super::steps::McpSession>,
 }
 
 /// A request ready to send.

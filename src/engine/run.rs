@@ -103,6 +103,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         saw_success: false,
         secrets: Vec::new(),
         expiry_held: false,
+        mcp_sessions: BTreeMap::new(),
     };
     // The steps, then the cleanup, each within a deadline derived from what they declare
     // they wait for: a target that stops answering cannot hold a scenario for longer.
@@ -122,6 +123,9 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         Ok(outcome) => outcome,
         Err(_) => deadline_passed(&mut ctx, current, "scenario", steps_deadline),
     };
+    // An MCP server a failed step left running disposes of its sandboxes as its session
+    // ends, before the cleanup and the leak check look.
+    ctx.end_mcp_sessions().await;
     let cleanup_deadline = ctx.deadline(&scenario.cleanup, CLEANUP_MARGIN);
     let mut current = String::new();
     let cleanup = async {

@@ -8,12 +8,15 @@
 
 use std::time::Duration;
 
+pub(super) use mcp::Session as McpSession;
+
 use super::context::{Ctx, StepError};
 use crate::scenario::{Expect, Step};
 
 mod absent;
 mod connect;
 mod digest;
+mod mcp;
 mod parallel;
 mod poll;
 mod request;
@@ -64,6 +67,7 @@ macro_rules! dispatch {
             Step::Sleep($k) => $body,
             Step::Absent($k) => $body,
             Step::Connect($k) => $body,
+            Step::Mcp($k) => $body,
         }
     };
 }

@@ -208,6 +208,7 @@ pub enum Step {
     Sleep(Sleep),
     Absent(Absent),
     Connect(Connect),
+    Mcp(Mcp),
 }
 
 impl Step {
@@ -234,6 +235,10 @@ impl Step {
                 .name
                 .clone()
                 .unwrap_or_else(|| format!("connect {}", c.rpc.value)),
+            Step::Mcp(m) => m
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("mcp {} ({})", m.action.name(), m.session)),
             other => other.name().unwrap_or(other.kind()).to_owned(),
         }
     }
@@ -246,9 +251,12 @@ impl Step {
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
-            Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) | Step::Connect(_) => {
-                None
-            }
+            Step::Request(_)
+            | Step::Poll(_)
+            | Step::Sse(_)
+            | Step::Sleep(_)
+            | Step::Connect(_)
+            | Step::Mcp(_) => None,
         }
     }
 
@@ -265,6 +273,7 @@ impl Step {
             Step::Sleep(_) => "sleep",
             Step::Absent(_) => "absent",
             Step::Connect(_) => "connect",
+            Step::Mcp(_) => "mcp",
         }
     }
 }
@@ -704,6 +713,46 @@ pub struct Connect {
     /// pointer resolves in (a stream).
     #[serde(default)]
     pub capture: BTreeMap<String, Located<Capture>>,
+}
+
+/// An action of an agent through the sandbox MCP server under test, for the MCP profile:
+/// one tool call that the run's tool map binds to the action, or the end of the session.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mcp {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Which MCP server process: each session name is a server of its own, started at its
+    /// first action.
+    #[serde(default = "main_session")]
+    pub session: String,
+    pub action: crate::mcp::Action,
+    /// The action's parameters (`sandbox`, `timeout_s`, `cpu`, `memory_mb`, `command`);
+    /// strings may hold `{{var}}`.
+    #[serde(default, rename = "with", deserialize_with = "present")]
+    pub params: Option<Located<serde_json::Value>>,
+    /// The tool must refuse (`isError: true`); otherwise it must succeed.
+    #[serde(default)]
+    pub refused: bool,
+    /// The handle in the result must be provider-qualified (`provider:id`).
+    #[serde(default)]
+    pub qualified: bool,
+    /// Send the call and go on without its answer (a create in flight at a shutdown).
+    #[serde(default)]
+    pub in_flight: bool,
+    /// Checks on the tool's result value.
+    #[serde(default)]
+    pub json: Vec<JsonCheck>,
+    /// Captures the handle the result names.
+    #[serde(default)]
+    pub capture_handle: Option<Located<String>>,
+    /// Captures the control plane's sandbox ID of that handle (without its provider).
+    #[serde(default)]
+    pub capture_sandbox: Option<Located<String>>,
+}
+
+fn main_session() -> String {
+    "main".to_owned()
 }
 
 /// An independent absence check: a fresh HTTP client, GET by path expecting 404

@@ -292,6 +292,18 @@ impl Checker<'_> {
             );
         }
         for c in &s.clauses {
+            if c.value.starts_with("MCP-") {
+                if !crate::profile::is_mcp_clause(&c.value) {
+                    self.err(
+                        Pos::of(c),
+                        format!(
+                            "clause `{}` is not defined in docs/profiles/mcp.md",
+                            c.value
+                        ),
+                    );
+                }
+                continue;
+            }
             if c.value.starts_with("E2B-") {
                 if !crate::profile::is_e2b_clause(&c.value) {
                     self.err(
@@ -319,9 +331,11 @@ impl Checker<'_> {
                 Some(_) => {}
             }
         }
-        // The E2B profile's clauses are its own document's guarantees, every one a MUST.
+        // The E2B profile's clauses are its own document's guarantees, every one a MUST; an
+        // MCP clause is a MUST when its requirement says so.
         let cites_must = s.clauses.iter().any(|c| {
             c.value.starts_with("E2B-")
+                || crate::profile::is_mcp_must_clause(&c.value)
                 || super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must)
         });
         if s.level == Level::Must && !s.clauses.is_empty() && !cites_must {
@@ -574,6 +588,7 @@ impl Checker<'_> {
                     self.template(t, scope, ctx);
                 }
             }
+            Step::Mcp(m) => self.mcp(m, scope, ctx),
             Step::Connect(c) => {
                 self.template(&c.sandbox, scope, ctx);
                 if let Some(t) = &c.access_token {
@@ -615,6 +630,71 @@ impl Checker<'_> {
                     self.define_capture(name, Pos::of(cap), scope);
                 }
             }
+        }
+    }
+
+    fn mcp(&mut self, m: &crate::scenario::Mcp, scope: &mut Scope, ctx: &Ctx<'_>) {
+        use crate::mcp::Action;
+        let pos = m
+            .params
+            .as_ref()
+            .map(Pos::of)
+            .or(m.capture_handle.as_ref().map(Pos::of))
+            .unwrap_or_default();
+        if let Some(p) = &m.params {
+            match &p.value {
+                serde_json::Value::Object(map) => {
+                    for k in map.keys() {
+                        if !crate::mcp::toolmap::PARAMS.contains(&k.as_str()) {
+                            self.err(
+                                Pos::of(p),
+                                format!(
+                                    "`with` parameter `{k}` is unknown; parameters are {}",
+                                    crate::mcp::toolmap::PARAMS.join(", ")
+                                ),
+                            );
+                        }
+                    }
+                }
+                _ => self.err(Pos::of(p), "`with` must be a mapping of parameters"),
+            }
+            self.json_value(p, scope, ctx);
+        }
+        if m.action == Action::Shutdown
+            && (m.params.is_some()
+                || m.refused
+                || m.qualified
+                || m.in_flight
+                || !m.json.is_empty()
+                || m.capture_handle.is_some()
+                || m.capture_sandbox.is_some())
+        {
+            self.err(pos, "an `mcp` shutdown takes only `name` and `session`");
+        }
+        if m.in_flight
+            && (m.action != Action::Create
+                || m.refused
+                || m.qualified
+                || !m.json.is_empty()
+                || m.capture_handle.is_some()
+                || m.capture_sandbox.is_some())
+        {
+            self.err(
+                pos,
+                "`in_flight` is for a create whose answer is not awaited: nothing to check or capture",
+            );
+        }
+        if m.refused && (m.qualified || m.capture_handle.is_some() || m.capture_sandbox.is_some()) {
+            self.err(pos, "a refused call names no handle to check or capture");
+        }
+        for check in &m.json {
+            self.json_check(check, scope, ctx);
+        }
+        for c in [&m.capture_handle, &m.capture_sandbox]
+            .into_iter()
+            .flatten()
+        {
+            self.define_capture(&c.value, Pos::of(c), scope);
         }
     }
 

@@ -1,0 +1,101 @@
+//! `sandspec mcp`: the reference sandbox MCP server, over stdio, in front of an E2B-style
+//! control plane (the reference server's E2B surface, or any other).
+//!
+//! It is the reference implementation of what the runner's MCP profile checks:
+//!
+//! - at shutdown it kills the sandboxes it created and never the ones it only connected to;
+//! - every handle it returns is provider-qualified (`e2b:<sandboxID>`);
+//! - an explicit `cpu` / `memory_mb` requirement is checked against the control plane's
+//!   readback, and a sandbox that falls short is killed and the create refused;
+//! - a create still in flight at shutdown is awaited and its sandbox, and only it, killed.
+//!
+//! The control plane is named by `E2B_API_URL` and its key by `E2B_API_KEY`, as for E2B's own
+//! SDK. The session ends when stdin closes or on SIGTERM; cleanup runs before the process exits.
+
+mod control;
+mod tools;
+
+use std::process::ExitCode;
+
+use clap::Args;
+use rmcp::ServiceExt as _;
+
+use crate::defects::{Defect, Defects};
+
+pub use control::ControlPlane;
+pub use tools::{PROVIDER, SandboxTools};
+
+/// Arguments of `sandspec mcp`.
+#[derive(Debug, Clone, Args)]
+pub struct McpArgs {
+    /// Switch on a deliberate bug (repeatable; only in builds with the `defects` feature).
+    #[arg(long = "defect", value_name = "NAME")]
+    pub defects: Vec<String>,
+}
+
+/// Environment variable naming the control plane's base URL.
+pub const URL_ENV: &str = "E2B_API_URL";
+/// Environment variable holding the control plane's API key.
+pub const KEY_ENV: &str = "E2B_API_KEY";
+
+/// Runs `sandspec mcp` to the end of its session. Exit 2: bad flags or environment; 1: the
+/// session failed.
+pub fn run_blocking(args: McpArgs) -> ExitCode {
+    let defects = match Defects::parse(args.defects.iter().map(String::as_str)) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let (url, key) = match (std::env::var(URL_ENV), std::env::var(KEY_ENV)) {
+        (Ok(url), Ok(key)) if !url.is_empty() && !key.is_empty() => (url, key),
+        _ => {
+            eprintln!("error: set {URL_ENV} (control-plane base URL) and {KEY_ENV} (its API key)");
+            return ExitCode::from(2);
+        }
+    };
+    // reqwest is built without a TLS provider of its own; this is the workspace's one.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let control = match ControlPlane::new(&url, key) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match runtime.block_on(serve_stdio(control, defects)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Serves one MCP session on stdin/stdout, then disposes of what the session owns.
+pub async fn serve_stdio(control: ControlPlane, defects: Defects) -> anyhow::Result<()> {
+    let tools = SandboxTools::new(control, defects);
+    let service = tools
+        .clone()
+        .serve(rmcp::transport::stdio())
+        .await
+        .map_err(|e| anyhow::anyhow!("initialize the MCP session: {e}"))?;
+    let token = service.cancellation_token();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = service.waiting() => {}
+        _ = term.recv() => token.cancel(),
+    }
+    tools.shutdown().await;
+    Ok(())
+}
+
+/// Whether a defect is on, for the tools module.
+fn has(defects: &Defects, d: Defect) -> bool {
+    defects.has(d)
+}

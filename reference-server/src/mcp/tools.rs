@@ -1,0 +1,339 @@
+//! The tools of `sandspec mcp` and what the session owns: which sandboxes it created (and
+//! must kill at shutdown), which it only connected to (and must leave alone), and how many
+//! creates are still in flight.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rmcp::ErrorData;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject,
+    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use super::control::{ControlError, ControlPlane};
+use super::has;
+use crate::defects::{Defect, Defects};
+
+/// The provider prefix of every handle this server returns.
+pub const PROVIDER: &str = "e2b";
+
+/// The MCP server's state, shared by every request and by shutdown.
+#[derive(Clone)]
+pub struct SandboxTools {
+    /// Where sandboxes are created and killed.
+    control: ControlPlane,
+    /// Negative controls; empty in a normal run.
+    defects: Defects,
+    /// Ownership, guarded by one lock so that shutdown and a completing create agree on who
+    /// disposes of a late sandbox.
+    state: Arc<Mutex<Owned>>,
+    /// Number of creates in flight; shutdown waits for it to reach zero.
+    in_flight: Arc<watch::Sender<usize>>,
+}
+
+#[derive(Default)]
+struct Owned {
+    /// Sandbox IDs this session created and has not killed.
+    created: BTreeSet<String>,
+    /// Sandbox IDs this session connected to without creating them.
+    borrowed: BTreeSet<String>,
+    /// Set at shutdown: a create that completes afterwards kills its sandbox itself.
+    closed: bool,
+}
+
+fn lock(m: &Mutex<Owned>) -> MutexGuard<'_, Owned> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A tool call the server refuses: an `isError` result naming the problem.
+fn refused(message: impl Into<String>) -> CallToolResult {
+    CallToolResult::structured_error(json!({ "error": message.into() }))
+}
+
+fn control_refused(e: ControlError) -> CallToolResult {
+    refused(format!("failed to {e}"))
+}
+
+impl SandboxTools {
+    pub fn new(control: ControlPlane, defects: Defects) -> Self {
+        Self {
+            control,
+            defects,
+            state: Arc::default(),
+            in_flight: Arc::new(watch::channel(0).0),
+        }
+    }
+
+    fn handle(&self, id: &str) -> String {
+        if has(&self.defects, Defect::McpBareHandles) {
+            id.to_owned()
+        } else {
+            format!("{PROVIDER}:{id}")
+        }
+    }
+
+    /// A handle (`e2b:<id>`) or a bare sandbox ID (this server has one provider) to the ID.
+    fn sandbox_id(arg: &str) -> Result<&str, String> {
+        let id = match arg.split_once(':') {
+            Some((PROVIDER, id)) => id,
+            Some((other, _)) => {
+                return Err(format!(
+                    "handle `{arg}` names provider `{other}`; this server has only `{PROVIDER}`"
+                ));
+            }
+            None => arg,
+        };
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(format!("`{arg}` is not a sandbox handle"));
+        }
+        Ok(id)
+    }
+
+    fn tools() -> Vec<Tool> {
+        fn schema(v: Value) -> Arc<JsonObject> {
+            match v {
+                Value::Object(m) => Arc::new(m),
+                _ => unreachable!("schemas are objects"),
+            }
+        }
+        let handle = json!({"type": "object", "properties": {"handle": {"type": "string"}},
+            "required": ["handle"], "additionalProperties": false});
+        vec![
+            Tool::new(
+                "create_sandbox",
+                "Create a sandbox. Optional cpu and memory_mb are requirements: a sandbox granted \
+                 less is killed and the call refused.",
+                schema(json!({"type": "object", "properties": {
+                    "timeout_s": {"type": "integer", "minimum": 1},
+                    "cpu": {"type": "integer", "minimum": 1},
+                    "memory_mb": {"type": "integer", "minimum": 1}},
+                    "additionalProperties": false})),
+            ),
+            Tool::new(
+                "connect_sandbox",
+                "Connect to an existing sandbox by handle or sandbox ID. It is not this \
+                 session's: shutdown leaves it running.",
+                schema(handle.clone()),
+            ),
+            Tool::new("kill_sandbox", "Kill a sandbox by handle.", schema(handle)),
+        ]
+    }
+
+    async fn call(&self, name: &str, args: JsonObject) -> CallToolResult {
+        let int = |k: &str| args.get(k).and_then(Value::as_u64);
+        let str_arg = |k: &str| args.get(k).and_then(Value::as_str);
+        match name {
+            "create_sandbox" => {
+                for (k, v) in &args {
+                    if !matches!(k.as_str(), "timeout_s" | "cpu" | "memory_mb") {
+                        return refused(format!("unknown argument `{k}`"));
+                    }
+                    if v.as_u64().is_none_or(|n| n == 0) {
+                        return refused(format!("`{k}` must be a positive integer"));
+                    }
+                }
+                self.create(
+                    int("timeout_s").unwrap_or(300),
+                    int("cpu"),
+                    int("memory_mb"),
+                )
+                .await
+            }
+            "connect_sandbox" | "kill_sandbox" => {
+                let Some(arg) = str_arg("handle") else {
+                    return refused("`handle` (a string) is required");
+                };
+                let id = match Self::sandbox_id(arg) {
+                    Ok(id) => id.to_owned(),
+                    Err(e) => return refused(e),
+                };
+                if name == "connect_sandbox" {
+                    self.connect(&id).await
+                } else {
+                    self.kill(&id).await
+                }
+            }
+            other => refused(format!("unknown tool `{other}`")),
+        }
+    }
+
+    /// Runs the create in a task of its own, so that it completes and is disposed of even when
+    /// the request that started it is cancelled by the session ending.
+    async fn create(
+        &self,
+        timeout_s: u64,
+        cpu: Option<u64>,
+        memory_mb: Option<u64>,
+    ) -> CallToolResult {
+        self.in_flight.send_modify(|n| *n += 1);
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let result = this.create_in_flight(timeout_s, cpu, memory_mb).await;
+            this.in_flight.send_modify(|n| *n -= 1);
+            result
+        });
+        match task.await {
+            Ok(result) => result,
+            Err(_) => refused("the create task failed"),
+        }
+    }
+
+    async fn create_in_flight(
+        &self,
+        timeout_s: u64,
+        cpu: Option<u64>,
+        memory_mb: Option<u64>,
+    ) -> CallToolResult {
+        let id = match self.control.create(timeout_s).await {
+            Ok(id) => id,
+            Err(e) => return control_refused(e),
+        };
+        // Decide under the lock whether the session still exists to own it.
+        let late = {
+            let mut s = lock(&self.state);
+            if !s.closed {
+                s.created.insert(id.clone());
+            }
+            s.closed
+        };
+        if late {
+            let _ = self.control.kill(&id).await;
+            return refused("the session ended while the sandbox was being created; it was killed");
+        }
+        if (cpu.is_some() || memory_mb.is_some())
+            && !has(&self.defects, Defect::McpUnverifiedResources)
+        {
+            let shortfall = match self.control.get(&id).await {
+                Ok(detail) => {
+                    let granted_cpu = detail.get("cpuCount").and_then(Value::as_u64).unwrap_or(0);
+                    let granted_mem = detail.get("memoryMB").and_then(Value::as_u64).unwrap_or(0);
+                    let mut short = Vec::new();
+                    if let Some(c) = cpu.filter(|&c| granted_cpu < c) {
+                        short.push(format!("cpu {c} asked, {granted_cpu} granted"));
+                    }
+                    if let Some(m) = memory_mb.filter(|&m| granted_mem < m) {
+                        short.push(format!("memory_mb {m} asked, {granted_mem} granted"));
+                    }
+                    short
+                }
+                Err(e) => vec![format!("the readback failed: {e}")],
+            };
+            if !shortfall.is_empty() {
+                let killed = self.control.kill(&id).await;
+                lock(&self.state).created.remove(&id);
+                let tail = match killed {
+                    Ok(()) => "the sandbox was killed".to_owned(),
+                    Err(e) => format!("and failed to kill it: {e}"),
+                };
+                return refused(format!(
+                    "resource requirement not met ({}); {tail}",
+                    shortfall.join(", ")
+                ));
+            }
+        }
+        CallToolResult::structured(json!({ "handle": self.handle(&id), "created": true }))
+    }
+
+    async fn connect(&self, id: &str) -> CallToolResult {
+        match self.control.connect(id).await {
+            Ok(detail) => {
+                let mut s = lock(&self.state);
+                if !s.created.contains(id) {
+                    s.borrowed.insert(id.to_owned());
+                }
+                drop(s);
+                CallToolResult::structured(json!({
+                    "handle": self.handle(id),
+                    "created": false,
+                    "state": detail.get("state").cloned().unwrap_or(Value::Null),
+                }))
+            }
+            Err(e) => control_refused(e),
+        }
+    }
+
+    async fn kill(&self, id: &str) -> CallToolResult {
+        match self.control.kill(id).await {
+            Ok(()) => {
+                let mut s = lock(&self.state);
+                s.created.remove(id);
+                s.borrowed.remove(id);
+                CallToolResult::structured(json!({ "handle": self.handle(id), "killed": true }))
+            }
+            Err(e) => control_refused(e),
+        }
+    }
+
+    /// The end of the session: kill what it created, leave what it borrowed, and wait for
+    /// creates in flight (each kills its own sandbox when it completes, seeing `closed`).
+    pub async fn shutdown(&self) {
+        let doomed: Vec<String> = {
+            let mut s = lock(&self.state);
+            s.closed = true;
+            let mut doomed: Vec<String> = std::mem::take(&mut s.created).into_iter().collect();
+            if has(&self.defects, Defect::McpKeepsCreatedAtShutdown) {
+                doomed.clear();
+            }
+            if has(&self.defects, Defect::McpKillsBorrowedAtShutdown) {
+                doomed.extend(std::mem::take(&mut s.borrowed));
+            }
+            doomed
+        };
+        for id in doomed {
+            if let Err(e) = self.control.kill(&id).await {
+                tracing::warn!(sandbox = %id, error = %e, "failed to kill a sandbox at shutdown");
+            }
+        }
+        let mut rx = self.in_flight.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+}
+
+impl rmcp::ServerHandler for SandboxTools {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
+            Implementation::new("sandspec-mcp", env!("CARGO_PKG_VERSION")),
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(Self::tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let args = request.arguments.unwrap_or_default();
+        Ok(CallToolResponse::Complete(
+            self.call(&request.name, args).await,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_name_this_provider_or_none() {
+        assert_eq!(SandboxTools::sandbox_id("e2b:abc123").unwrap(), "abc123");
+        assert_eq!(SandboxTools::sandbox_id("abc123").unwrap(), "abc123");
+        assert!(
+            SandboxTools::sandbox_id("daytona:abc")
+                .unwrap_err()
+                .contains("daytona")
+        );
+        assert!(SandboxTools::sandbox_id("e2b:").is_err());
+        assert!(SandboxTools::sandbox_id("e2b:../x").is_err());
+    }
+}
