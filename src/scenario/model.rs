@@ -696,6 +696,11 @@ pub struct Connect {
     /// The Connect error code expected (`not_found`, ...); absent: success.
     #[serde(default)]
     pub error: Option<String>,
+    /// A stream read only until one message holds every one of these checks, then closed
+    /// by the client (a background process keeps running: closing never ends it). The
+    /// stream ending first fails the step.
+    #[serde(default)]
+    pub until: Vec<JsonCheck>,
     /// Checks on the response message (unary); for a stream, each check must hold in some
     /// message.
     #[serde(default)]

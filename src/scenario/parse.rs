@@ -598,6 +598,21 @@ impl Checker<'_> {
                 for check in &c.json {
                     self.json_check(check, scope, ctx);
                 }
+                if let Some(first) = c.until.first() {
+                    let pos = first.pointer.pos;
+                    if !c.stream {
+                        self.err(pos, "`until` reads a stream: it needs `stream: true`");
+                    }
+                    if c.error.is_some() {
+                        self.err(
+                            pos,
+                            "`until` stops at a message, `error` waits for the stream's end: give one",
+                        );
+                    }
+                }
+                for check in &c.until {
+                    self.json_check(check, scope, ctx);
+                }
                 for (name, cap) in &c.capture {
                     if cap.value.json.is_none()
                         || cap.value.header.is_some()

@@ -490,7 +490,9 @@ async fn create(
         metadata,
         created_at,
         expires_at: created_at + secs(timeout_s),
-        on_timeout: if req.auto_pause.unwrap_or(false) {
+        on_timeout: if req.auto_pause.unwrap_or(false)
+            && !state.config.defects.has(Defect::E2bAutoPauseIgnored)
+        {
             OnTimeout::Pause
         } else {
             OnTimeout::Kill

@@ -74,12 +74,33 @@ impl Ctx<'_> {
         }
         let at_ms = self.at();
         let sent = Instant::now();
-        let result = match tokio::time::timeout(limit, exchange(builder, limit, false)).await {
-            Ok(r) => r,
-            Err(_) => Err((
-                format!("the call did not complete within {}s", limit.as_secs()),
+        let reading = async {
+            if c.stream && !c.until.is_empty() {
+                read_until(builder, limit, &c.until, &self.vars).await
+            } else {
+                exchange(builder, limit, false).await.map(|o| (o, false))
+            }
+        };
+        let (result, stopped) = match tokio::time::timeout(limit, reading).await {
+            Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
+            Ok(Err(e)) => (Err(e), false),
+            Err(_) if !c.until.is_empty() => (
+                Err((
+                    format!(
+                        "no message held `until` within {}s, and the stream did not end",
+                        limit.as_secs()
+                    ),
+                    false,
+                )),
                 false,
-            )),
+            ),
+            Err(_) => (
+                Err((
+                    format!("the call did not complete within {}s", limit.as_secs()),
+                    false,
+                )),
+                false,
+            ),
         };
         let mut record = HttpExchange {
             step: label.to_owned(),
@@ -114,7 +135,9 @@ impl Ctx<'_> {
         record.response_headers = record_headers(&obs.headers);
         record.response_body = Some(Body::of(&obs.body));
         self.transcript.push(Entry::Http(record));
-        let messages = if c.stream {
+        let messages = if !c.until.is_empty() {
+            Some(self.judge_until(&obs, stopped)?)
+        } else if c.stream {
             self.judge_stream(c, &obs)?
         } else {
             self.judge_unary(c, &obs)?
@@ -198,6 +221,61 @@ impl Ctx<'_> {
         }
     }
 
+    /// A stream read until a message held `until`: the messages up to that one, or why the
+    /// stream failed or ended before one did.
+    fn judge_until(&self, obs: &Observed, stopped: bool) -> Result<Vec<Value>, StepError> {
+        if obs.status != 200 {
+            return Err(StepError::Fail(format!(
+                "status {}, a Connect stream answers 200",
+                obs.status
+            )));
+        }
+        let ct = obs.content_type();
+        if !ct.starts_with("application/connect+json") {
+            return Err(StepError::Fail(format!(
+                "content-type `{ct}`, expected application/connect+json"
+            )));
+        }
+        let mut parser = connect::Parser::new();
+        let mut items = parser.push(&obs.body);
+        if !stopped {
+            items.extend(parser.finish().map(Item::Fault));
+        }
+        let mut messages = Vec::new();
+        let mut faults = Vec::new();
+        let mut error = None;
+        for item in items {
+            match item {
+                Item::Message(m) => messages.push(m),
+                Item::End(e) => {
+                    error = e.get("error").map(|e| {
+                        e.get("code")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_owned()
+                    });
+                }
+                Item::Fault(f) => faults.push(format!("framing: {f}")),
+            }
+        }
+        if !faults.is_empty() {
+            return Err(StepError::Fail(faults.join("; ")));
+        }
+        if stopped {
+            return Ok(messages);
+        }
+        Err(StepError::Fail(match error {
+            Some(code) => format!(
+                "the stream ended with the Connect error `{code}` after {} messages, none holding `until`",
+                messages.len()
+            ),
+            None => format!(
+                "the stream ended after {} messages, none holding `until`",
+                messages.len()
+            ),
+        }))
+    }
+
     /// A server stream: its messages when it ended cleanly as expected, `None` when its
     /// end-of-stream message carried the expected error.
     fn judge_stream(&self, c: &Connect, obs: &Observed) -> Result<Option<Vec<Value>>, StepError> {
@@ -248,4 +326,70 @@ impl Ctx<'_> {
             ))),
         }
     }
+}
+
+/// Sends a stream request and reads its envelopes until a message holds every `until`
+/// check; then the response is dropped, which closes the stream. The body read so far, and
+/// whether a message held them. A response that is not a 200 Connect stream is read whole,
+/// for the judge to report.
+async fn read_until(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    until: &[crate::scenario::JsonCheck],
+    vars: &crate::engine::vars::Vars<'_>,
+) -> Result<(Observed, bool), (String, bool)> {
+    let secs = limit.as_secs_f64();
+    let mut response = match builder.timeout(limit).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            return Err((crate::target::describe_reqwest(&e), e.is_connect()));
+        }
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let streamed = status == 200
+        && headers
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("application/connect+json"));
+    let mut parser = connect::Parser::new();
+    let mut body = Vec::new();
+    let mut stopped = false;
+    loop {
+        let chunk = match response.chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) if e.is_timeout() => {
+                return Err((
+                    format!(
+                        "the stream stalled after {} bytes within {secs}s",
+                        body.len()
+                    ),
+                    false,
+                ));
+            }
+            Err(e) => return Err((crate::target::describe_reqwest(&e), false)),
+        };
+        body.extend_from_slice(&chunk);
+        if !streamed {
+            continue;
+        }
+        let held = parser.push(&chunk).iter().any(|item| {
+            matches!(item, Item::Message(m)
+                if until.iter().all(|check| json_check(check, m, vars).is_ok()))
+        });
+        if held {
+            stopped = true;
+            break;
+        }
+    }
+    drop(response);
+    Ok((
+        Observed {
+            status,
+            headers,
+            body: body.into(),
+        },
+        stopped,
+    ))
 }
