@@ -163,8 +163,8 @@ pub enum Defect {
     E2bAccessTokenUnchecked,
     /// envd `CloseStdin` answers but the process's stdin stays open.
     E2bCloseStdinIgnored,
-    /// envd `SendSignal` reaches only the process it names, not the children it started.
-    E2bKillSparesChildren,
+    /// envd `SendSignal` delivers SIGKILL as SIGTERM, which a process can ignore.
+    E2bSigkillSentAsSigterm,
     /// envd `Connect` by `tag` finds no process (by pid still works).
     E2bConnectByTagNotFound,
     /// envd watchers report files created and removed but never written.
@@ -246,7 +246,7 @@ impl Defect {
         Defect::E2bFileBytesAltered,
         Defect::E2bAccessTokenUnchecked,
         Defect::E2bCloseStdinIgnored,
-        Defect::E2bKillSparesChildren,
+        Defect::E2bSigkillSentAsSigterm,
         Defect::E2bConnectByTagNotFound,
         Defect::E2bWatchMissesWrites,
         Defect::E2bAutoPauseIgnored,
@@ -324,7 +324,7 @@ impl Defect {
             Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
             Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
             Defect::E2bCloseStdinIgnored => "e2b-close-stdin-ignored",
-            Defect::E2bKillSparesChildren => "e2b-kill-spares-children",
+            Defect::E2bSigkillSentAsSigterm => "e2b-sigkill-sent-as-sigterm",
             Defect::E2bConnectByTagNotFound => "e2b-connect-by-tag-not-found",
             Defect::E2bWatchMissesWrites => "e2b-watch-misses-writes",
             Defect::E2bAutoPauseIgnored => "e2b-auto-pause-ignored",
@@ -433,9 +433,7 @@ impl Defect {
             Defect::E2bFileBytesAltered => "E2B: uploaded bytes that are not UTF-8 are altered",
             Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
             Defect::E2bCloseStdinIgnored => "E2B: CloseStdin answers but stdin stays open",
-            Defect::E2bKillSparesChildren => {
-                "E2B: a signal reaches the process but not its children"
-            }
+            Defect::E2bSigkillSentAsSigterm => "E2B: SIGKILL is sent as SIGTERM",
             Defect::E2bConnectByTagNotFound => {
                 "E2B: connecting to a process by its tag finds nothing"
             }

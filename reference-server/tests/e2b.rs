@@ -1501,14 +1501,53 @@ async fn sigkill_ends_the_process_and_its_children() {
     assert!(!kill_leaves_a_marker(&app).await);
 }
 
+/// SIGKILL to a shell that ignores SIGTERM: does it end, with upstream's end event?
+async fn sigkill_ends_a_term_ignoring_shell(app: &TestApp) -> bool {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let (task, pid) = start_in_background(
+        app,
+        &id,
+        &token,
+        "trap '' TERM; while :; do sleep 0.2; done",
+        json!({}),
+    )
+    .await;
+    unary(
+        app,
+        &id,
+        &token,
+        "process.Process/SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await
+    .ok(200);
+    if still_running_after_a_while(app, &id, &token).await {
+        task.abort();
+        return false;
+    }
+    let (events, _) = envelopes(&task.await.unwrap().body);
+    assert_eq!(
+        events.last().unwrap()["event"]["end"],
+        json!({"exitCode": -1, "exited": false, "status": "signal: killed"})
+    );
+    true
+}
+
+#[tokio::test]
+async fn sigkill_cannot_be_ignored() {
+    let app = spawn_app(|_| {}).await;
+    assert!(sigkill_ends_a_term_ignoring_shell(&app).await);
+}
+
 #[cfg(feature = "defects")]
 #[tokio::test]
-async fn defect_kill_spares_children_lets_the_child_write() {
+async fn defect_sigkill_sent_as_sigterm_is_ignored() {
     let app = spawn_app(|c| {
-        c.defects = reference_server::defects::Defects::parse(["e2b-kill-spares-children"]).unwrap()
+        c.defects =
+            reference_server::defects::Defects::parse(["e2b-sigkill-sent-as-sigterm"]).unwrap()
     })
     .await;
-    assert!(kill_leaves_a_marker(&app).await);
+    assert!(!sigkill_ends_a_term_ignoring_shell(&app).await);
 }
 
 /// A background process found again by its tag: the stream of `Connect` by tag.

@@ -653,13 +653,17 @@ pub async fn send_signal(
                 ));
             }
         };
-        let rec = running(&state, &sbx, req.process).await?;
-        if state.config.defects.has(Defect::E2bKillSparesChildren) {
-            sbx.provider.signal_leader(&rec.id, signal)
+        let signal = if signal == Signal::Kill
+            && state.config.defects.has(Defect::E2bSigkillSentAsSigterm)
+        {
+            Signal::Term
         } else {
-            sbx.provider.signal(&rec.id, signal)
-        }
-        .map_err(provider_error)?;
+            signal
+        };
+        let rec = running(&state, &sbx, req.process).await?;
+        sbx.provider
+            .signal(&rec.id, signal)
+            .map_err(provider_error)?;
         Ok(json!({}))
     };
     unary(result.await)

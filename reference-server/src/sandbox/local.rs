@@ -499,14 +499,12 @@ impl LocalProvider {
     }
 
     pub fn signal(&self, process_id: &str, signal: Signal) -> Result<(), ProviderError> {
-        self.process(process_id)?.signal(signal_number(signal))
-    }
-
-    /// Sends `signal` to the process alone, sparing the children it started: only the
-    /// deliberate defect `e2b-kill-spares-children` does this.
-    pub fn signal_leader(&self, process_id: &str, signal: Signal) -> Result<(), ProviderError> {
-        self.process(process_id)?
-            .signal_leader(signal_number(signal))
+        let sig = match signal {
+            Signal::Term => libc::SIGTERM,
+            Signal::Kill => libc::SIGKILL,
+            Signal::Int => libc::SIGINT,
+        };
+        self.process(process_id)?.signal(sig)
     }
 
     /// Files of one sandbox, confined to its root.
@@ -620,14 +618,6 @@ fn checked_local(local: &str) -> Result<&str, ProviderError> {
 }
 
 /// Signals every process group of the sandbox that may still have members.
-fn signal_number(signal: Signal) -> libc::c_int {
-    match signal {
-        Signal::Term => libc::SIGTERM,
-        Signal::Kill => libc::SIGKILL,
-        Signal::Int => libc::SIGINT,
-    }
-}
-
 fn signal_all(runtime: &Runtime, sig: libc::c_int) {
     let inner = lock(&runtime.inner);
     for tracked in &inner.processes {

@@ -128,19 +128,6 @@ impl ProcessHandle {
         }
     }
 
-    /// Sends `sig` to the group's leader only, leaving its children running.
-    pub(super) fn signal_leader(&self, sig: libc::c_int) -> Result<(), ProviderError> {
-        if self.has_exited() {
-            return Err(ProviderError::ProcessExited);
-        }
-        // SAFETY: kill(2) with a positive pid signals that one process; no memory is involved.
-        if self.pgid > 1 && unsafe { libc::kill(self.pgid, sig) } == 0 {
-            Ok(())
-        } else {
-            Err(ProviderError::ProcessExited)
-        }
-    }
-
     /// Waits until the exit is recorded; false when `limit` passed first.
     pub(super) async fn wait_done(&self, limit: Duration) -> bool {
         let mut done = self.done.clone();
