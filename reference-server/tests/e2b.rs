@@ -1757,3 +1757,68 @@ async fn defect_env_vars_dropped() {
     assert_eq!(stdout, b"");
     assert_eq!(envs["SANDSPEC_GREETING"], "hello there");
 }
+
+/// `POST /sandboxes` with `Idempotency-Key`: as the SDK retries a create.
+async fn create_with_key(app: &TestApp, key: &str, idem: &str, body: Value) -> Reply {
+    let rb = app
+        .client
+        .post(app.url("/v2/sandboxes"))
+        .header("X-API-Key", key)
+        .header("Idempotency-Key", idem)
+        .json(&body);
+    Reply::read(rb.send().await.expect("send")).await
+}
+
+#[tokio::test]
+async fn create_with_the_same_idempotency_key_replays_the_first_sandbox() {
+    let app = spawn_app(|_| {}).await;
+    let body = json!({"templateID": "base", "metadata": {"k": "v"}});
+    let first = create_with_key(&app, ALICE, "create-1", body.clone())
+        .await
+        .ok(201);
+    let again = create_with_key(&app, ALICE, "create-1", body.clone()).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let again = again.ok(201);
+    assert_eq!(again["sandboxID"], first["sandboxID"]);
+    assert_eq!(again["envdAccessToken"], first["envdAccessToken"]);
+    let listed = e2b(&app, Some(ALICE), Method::GET, "/sandboxes", None)
+        .await
+        .ok(200);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+
+    // The key is the team's: another team with the same key gets a sandbox of its own.
+    let other = create_with_key(&app, BOB, "create-1", body.clone())
+        .await
+        .ok(201);
+    assert_ne!(other["sandboxID"], first["sandboxID"]);
+    // The same key with another body is refused and creates nothing.
+    let changed = create_with_key(
+        &app,
+        ALICE,
+        "create-1",
+        json!({"templateID": "base", "metadata": {"k": "other"}}),
+    )
+    .await;
+    e2b_error(&changed, 422);
+    // A new key creates a new sandbox; a killed one's key answers 404, not a new sandbox.
+    let second = create_with_key(&app, ALICE, "create-2", body.clone())
+        .await
+        .ok(201);
+    assert_ne!(second["sandboxID"], first["sandboxID"]);
+    let id = first["sandboxID"].as_str().unwrap();
+    let killed = e2b(
+        &app,
+        Some(ALICE),
+        Method::DELETE,
+        &format!("/sandboxes/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(killed.status.as_u16(), 204);
+    let replayed = create_with_key(&app, ALICE, "create-1", body).await;
+    e2b_error(&replayed, 404);
+    let listed = e2b(&app, Some(ALICE), Method::GET, "/sandboxes", None)
+        .await
+        .ok(200);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+}

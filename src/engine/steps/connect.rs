@@ -393,3 +393,97 @@ async fn read_until(
         stopped,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::json;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+    use crate::engine::Vars;
+    use crate::scenario::{JsonCheck, Step, parse_str};
+    use crate::target::Capabilities;
+
+    /// The `until` checks of a one-step scenario, parsed as a scenario file would be.
+    fn until(checks: &str) -> Vec<JsonCheck> {
+        let text = format!(
+            "id: E2B-PRC-001\ntitle: t\nclauses: [E2B-PRC-1]\nlevel: SHOULD\nsteps:\n  - connect: {{sandbox: x, rpc: process.Process/Start, stream: true, until: {checks}}}\n"
+        );
+        match &parse_str(Path::new("t.yaml"), &text).unwrap().steps[0] {
+            Step::Connect(c) => c.until.clone(),
+            other => panic!("not a connect step: {other:?}"),
+        }
+    }
+
+    /// A one-connection server answering a Connect stream of `messages`, then the end of the
+    /// stream when `end`, else holding the connection open until the client leaves.
+    async fn stream_server(messages: Vec<serde_json::Value>, end: bool) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = sock.read(&mut buf).await;
+            let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            let mut chunk = |bytes: Vec<u8>| {
+                out.extend_from_slice(format!("{:x}\r\n", bytes.len()).as_bytes());
+                out.extend_from_slice(&bytes);
+                out.extend_from_slice(b"\r\n");
+            };
+            for m in &messages {
+                chunk(connect::envelope(0, m.to_string().as_bytes()));
+            }
+            if end {
+                chunk(connect::envelope(2, b"{}"));
+                out.extend_from_slice(b"0\r\n\r\n");
+            }
+            sock.write_all(&out).await.unwrap();
+            // Held open: the read ends when the client closes its side.
+            let _ = sock.read(&mut buf).await;
+        });
+        url
+    }
+
+    async fn read(url: &str, checks: &[JsonCheck]) -> (Observed, bool) {
+        let caps = Capabilities::default();
+        let vars = Vars::new("run", &caps, "canary");
+        crate::target::install_crypto_provider();
+        let builder = reqwest::Client::new().post(url).body("x");
+        read_until(builder, Duration::from_secs(30), checks, &vars)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_stays_open_is_left_at_the_first_message_holding_until() {
+        let url = stream_server(
+            vec![
+                json!({"event": {"start": {"pid": 7}}}),
+                json!({"event": {"data": {"stdout": "aGkK"}}}),
+            ],
+            false,
+        )
+        .await;
+        let (obs, stopped) =
+            read(&url, &until("[{pointer: /event/start/pid, exists: true}]")).await;
+        assert!(stopped);
+        let items = connect::Parser::new().push(&obs.body);
+        assert_eq!(
+            items.first(),
+            Some(&Item::Message(json!({"event": {"start": {"pid": 7}}})))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_first_is_read_to_its_end_and_not_stopped() {
+        let url = stream_server(vec![json!({"event": {"start": {"pid": 7}}})], true).await;
+        let (obs, stopped) = read(&url, &until("[{pointer: /event/end, exists: true}]")).await;
+        assert!(!stopped);
+        assert!(matches!(
+            connect::parse_all(&obs.body).last(),
+            Some(Item::End(_))
+        ));
+    }
+}
