@@ -1715,8 +1715,12 @@ async fn defect_auto_pause_ignored_kills_instead() {
     })
     .await;
     assert_eq!(auto_pause_outcome(&app).await, "gone");
-    let honest = spawn_app(|_| {}).await;
-    assert_eq!(auto_pause_outcome(&honest).await, "paused");
+}
+
+#[tokio::test]
+async fn expiry_pauses_an_auto_pause_sandbox() {
+    let app = spawn_app(|_| {}).await;
+    assert_eq!(auto_pause_outcome(&app).await, "paused");
 }
 
 /// What a process of a sandbox created with `envVars` prints for one, and what `/envs` says.

@@ -314,6 +314,10 @@ pub struct Request {
     /// The endpoint to send it to: `primary` unless given.
     #[serde(default)]
     pub via: Via,
+    /// E2B profile: send it to this sandbox's envd (its E2B ID), as `connect` steps reach
+    /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
+    #[serde(default)]
+    pub envd: Option<Template>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,

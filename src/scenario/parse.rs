@@ -647,6 +647,15 @@ impl Checker<'_> {
             );
         }
         self.template(&r.path, scope, ctx);
+        if let Some(t) = &r.envd {
+            self.template(t, scope, ctx);
+            if r.via == Via::Peer {
+                self.err(
+                    t.pos,
+                    "`envd` names the sandbox's envd: it cannot go `via: peer`",
+                );
+            }
+        }
         for t in r.headers.values().chain(r.query.values()) {
             self.template(t, scope, ctx);
         }
