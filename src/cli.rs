@@ -192,6 +192,10 @@ pub struct ListArgs {
   2  usage error
   3  the target could not be reached")]
 pub struct SweepArgs {
+    /// The protocol the target speaks: `v1` sweeps `/v1` sessions and sandboxes, `e2b` the
+    /// sandboxes of E2B's control plane (the token is the team's API key).
+    #[arg(long, value_enum, default_value_t = crate::profile::Api::V1)]
+    pub api: crate::profile::Api,
     /// Base URL of the target.
     #[arg(long, value_name = "URL")]
     pub target: String,
@@ -236,7 +240,8 @@ async fn sweep(args: SweepArgs) -> u8 {
     envs.extend(args.other_token_env.clone());
     let mut failed = false;
     for env in &envs {
-        let target = match Target::connect_url(
+        let target = match Target::connect_url_for(
+            args.api,
             &args.target,
             env,
             env,

@@ -314,7 +314,7 @@ async fn sweep_run_e2b(target: &Target, run_id: &str) -> RunSweep {
         ("other", target.tokens.other.as_str()),
     ];
     for (principal, token) in principals {
-        let records = match list_all_e2b(target, token, run_id).await {
+        let records = match list_all_e2b(target, token, Some(run_id)).await {
             Ok(r) => r,
             Err(e) => {
                 errors.push(format!("{e} (as {principal})"));
@@ -350,8 +350,13 @@ async fn sweep_run_e2b(target: &Target, run_id: &str) -> RunSweep {
     sweep
 }
 
-/// Every page of `GET /v2/sandboxes` filtered by the run's tag, as `token`.
-async fn list_all_e2b(target: &Target, token: &str, run_id: &str) -> Result<Vec<Value>, String> {
+/// Every page of `GET /v2/sandboxes` (running and paused), as `token`: filtered by the
+/// run's tag when given one, else everything the team has.
+async fn list_all_e2b(
+    target: &Target,
+    token: &str,
+    run_id: Option<&str>,
+) -> Result<Vec<Value>, String> {
     const LIST: &str = "/v2/sandboxes";
     let mut out = Vec::new();
     let mut next: Option<String> = None;
@@ -362,7 +367,9 @@ async fn list_all_e2b(target: &Target, token: &str, run_id: &str) -> Result<Vec<
             let mut q = url.query_pairs_mut();
             q.append_pair("limit", "100");
             q.append_pair("state", "running,paused");
-            q.append_pair("metadata", &format!("{RUN_TAG}={run_id}"));
+            if let Some(run_id) = run_id {
+                q.append_pair("metadata", &format!("{RUN_TAG}={run_id}"));
+            }
             if let Some(t) = &next {
                 q.append_pair("nextToken", t);
             }
@@ -409,6 +416,9 @@ pub async fn sweep_older_than(
     dry_run: bool,
 ) -> Result<Vec<Swept>, String> {
     let cutoff = OffsetDateTime::now_utc() - older_than;
+    if target.api == crate::profile::Api::E2b {
+        return sweep_older_than_e2b(target, token, cutoff, dry_run).await;
+    }
     let mut swept = Vec::new();
     for &(list, _) in LISTS {
         for record in list_all(target, token, list, None).await? {
@@ -435,6 +445,43 @@ pub async fn sweep_older_than(
                 removed,
             });
         }
+    }
+    Ok(swept)
+}
+
+/// `sandspec sweep --api e2b`: every sandbox `GET /v2/sandboxes` lists for the team, running
+/// or paused, whose own `metadata` carries a `sandspec_run` tag and whose `startedAt` is
+/// before `cutoff`, is killed (`DELETE /sandboxes/{id}`) and confirmed gone by a 404.
+async fn sweep_older_than_e2b(
+    target: &Target,
+    token: &str,
+    cutoff: OffsetDateTime,
+    dry_run: bool,
+) -> Result<Vec<Swept>, String> {
+    let mut swept = Vec::new();
+    for record in list_all_e2b(target, token, None).await? {
+        let Some(run) = tag_of(&record) else {
+            continue;
+        };
+        let started = record
+            .get("startedAt")
+            .and_then(Value::as_str)
+            .and_then(|t| {
+                OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+            });
+        if started.is_none_or(|c| c >= cutoff) {
+            continue;
+        }
+        let Some(id) = record.get("sandboxID").and_then(Value::as_str) else {
+            continue;
+        };
+        let path = format!("/sandboxes/{}", urlencode(id));
+        let removed = !dry_run && remove(target, token, &path).await;
+        swept.push(Swept {
+            path,
+            run: run.to_owned(),
+            removed,
+        });
     }
     Ok(swept)
 }

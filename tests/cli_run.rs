@@ -378,6 +378,8 @@ async fn sweep_removes_only_tagged_leftovers() {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
         ..ReferenceOptions::default()
     };
+    // The test's own clients need rustls's provider even when no other test installed it.
+    sandspec::target::install_crypto_provider();
     let server = ReferenceServer::start(&options).await.unwrap();
     // SAFETY: set once, before any thread reads it; the name is unique to this test.
     unsafe { std::env::set_var("SANDSPEC_SWEEP_OWNER", &server.tokens.owner) };
@@ -426,6 +428,133 @@ async fn sweep_removes_only_tagged_leftovers() {
     .unwrap();
     assert_eq!(code, ExitCode::from(0));
     assert_eq!(status_of(&server, &young).await, 200);
+}
+
+/// `POST /sandboxes` on the E2B surface with `metadata`, as the owner: the sandbox's E2B ID.
+async fn create_e2b(server: &ReferenceServer, metadata: serde_json::Value) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/sandboxes", server.url))
+        .header("X-API-Key", &server.tokens.owner)
+        .json(&serde_json::json!({"templateID": "base", "timeout": 600, "metadata": metadata}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 201);
+    resp.json::<serde_json::Value>().await.unwrap()["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+async fn e2b_status_of(server: &ReferenceServer, id: &str) -> u16 {
+    reqwest::Client::new()
+        .get(format!("{}/sandboxes/{id}", server.url))
+        .header("X-API-Key", &server.tokens.owner)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// `sandspec sweep --api e2b`: the team's running and paused E2B sandboxes tagged by a run and
+/// older than `--older-than` are killed and confirmed gone; untagged and young ones stay.
+#[tokio::test]
+async fn e2b_sweep_removes_only_tagged_leftovers() {
+    #[derive(Parser)]
+    struct SweepWrapper {
+        #[command(flatten)]
+        sweep: sandspec::cli::SweepArgs,
+    }
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    sandspec::target::install_crypto_provider();
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // SAFETY: set once, before any thread reads it; the name is unique to this test.
+    unsafe { std::env::set_var("SANDSPEC_E2B_SWEEP_OWNER", &server.tokens.owner) };
+    let tagged = create_e2b(&server, serde_json::json!({"sandspec_run": "old-run"})).await;
+    let paused = create_e2b(&server, serde_json::json!({"sandspec_run": "old-run"})).await;
+    let pause = reqwest::Client::new()
+        .post(format!("{}/sandboxes/{paused}/pause", server.url))
+        .header("X-API-Key", &server.tokens.owner)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(pause.status().as_u16(), 204);
+    let untagged = create_e2b(&server, serde_json::json!({"team": "keep"})).await;
+    // What the E2B sweep finds: the tagged sandboxes by their E2B paths, paused one included.
+    let target = sandspec::target::Target::connect_url_for(
+        sandspec::profile::Api::E2b,
+        &server.url,
+        "SANDSPEC_E2B_SWEEP_OWNER",
+        "SANDSPEC_E2B_SWEEP_OWNER",
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    let found = sandspec::live::sweep_older_than(
+        &target,
+        &server.tokens.owner,
+        std::time::Duration::ZERO,
+        true,
+    )
+    .await
+    .unwrap();
+    let mut paths: Vec<String> = found.iter().map(|s| s.path.clone()).collect();
+    paths.sort();
+    let mut want = vec![
+        format!("/sandboxes/{tagged}"),
+        format!("/sandboxes/{paused}"),
+    ];
+    want.sort();
+    assert_eq!(paths, want);
+    assert!(found.iter().all(|s| s.run == "old-run" && !s.removed));
+    let sweep = |extra: &[&str]| {
+        let mut argv = vec![
+            "sweep",
+            "--api",
+            "e2b",
+            "--target",
+            &server.url,
+            "--owner-token-env",
+            "SANDSPEC_E2B_SWEEP_OWNER",
+            "--older-than",
+            "0s",
+        ];
+        argv.extend_from_slice(extra);
+        SweepWrapper::try_parse_from(argv).unwrap().sweep
+    };
+    let code = tokio::task::spawn_blocking({
+        let args = sweep(&["--dry-run"]);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(e2b_status_of(&server, &tagged).await, 200);
+    let code = tokio::task::spawn_blocking({
+        let args = sweep(&[]);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(e2b_status_of(&server, &tagged).await, 404);
+    assert_eq!(e2b_status_of(&server, &paused).await, 404);
+    assert_eq!(e2b_status_of(&server, &untagged).await, 200);
+    let young = create_e2b(&server, serde_json::json!({"sandspec_run": "running-now"})).await;
+    let code = tokio::task::spawn_blocking({
+        let mut args = sweep(&[]);
+        args.older_than = std::time::Duration::from_secs(3600);
+        move || sandspec::cli::sweep_blocking(args)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, ExitCode::from(0));
+    assert_eq!(e2b_status_of(&server, &young).await, 200);
 }
 
 /// A URL target without `--peer-url`: a scenario that requires a peer is SKIPPED with that

@@ -161,6 +161,18 @@ pub enum Defect {
     E2bFileBytesAltered,
     /// envd does not check `X-Access-Token` on secure sandboxes.
     E2bAccessTokenUnchecked,
+    /// envd `CloseStdin` answers but the process's stdin stays open.
+    E2bCloseStdinIgnored,
+    /// envd `SendSignal` delivers SIGKILL as SIGTERM, which a process can ignore.
+    E2bSigkillSentAsSigterm,
+    /// envd `Connect` by `tag` finds no process (by pid still works).
+    E2bConnectByTagNotFound,
+    /// envd watchers report files created and removed but never written.
+    E2bWatchMissesWrites,
+    /// E2B `autoPause: true` is accepted, but expiry kills the sandbox instead of pausing it.
+    E2bAutoPauseIgnored,
+    /// envd processes do not get the `envVars` the sandbox was created with.
+    E2bEnvVarsDropped,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -242,6 +254,12 @@ impl Defect {
         Defect::E2bLateConnectLosesExit,
         Defect::E2bFileBytesAltered,
         Defect::E2bAccessTokenUnchecked,
+        Defect::E2bCloseStdinIgnored,
+        Defect::E2bSigkillSentAsSigterm,
+        Defect::E2bConnectByTagNotFound,
+        Defect::E2bWatchMissesWrites,
+        Defect::E2bAutoPauseIgnored,
+        Defect::E2bEnvVarsDropped,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -318,6 +336,12 @@ impl Defect {
             Defect::E2bLateConnectLosesExit => "e2b-late-connect-loses-exit",
             Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
             Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
+            Defect::E2bCloseStdinIgnored => "e2b-close-stdin-ignored",
+            Defect::E2bSigkillSentAsSigterm => "e2b-sigkill-sent-as-sigterm",
+            Defect::E2bConnectByTagNotFound => "e2b-connect-by-tag-not-found",
+            Defect::E2bWatchMissesWrites => "e2b-watch-misses-writes",
+            Defect::E2bAutoPauseIgnored => "e2b-auto-pause-ignored",
+            Defect::E2bEnvVarsDropped => "e2b-env-vars-dropped",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -425,6 +449,16 @@ impl Defect {
             }
             Defect::E2bFileBytesAltered => "E2B: uploaded bytes that are not UTF-8 are altered",
             Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
+            Defect::E2bCloseStdinIgnored => "E2B: CloseStdin answers but stdin stays open",
+            Defect::E2bSigkillSentAsSigterm => "E2B: SIGKILL is sent as SIGTERM",
+            Defect::E2bConnectByTagNotFound => {
+                "E2B: connecting to a process by its tag finds nothing"
+            }
+            Defect::E2bWatchMissesWrites => "E2B: watchers never report a write",
+            Defect::E2bAutoPauseIgnored => {
+                "E2B: autoPause is accepted but expiry kills the sandbox"
+            }
+            Defect::E2bEnvVarsDropped => "E2B: processes do not see the sandbox's envVars",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

@@ -1350,3 +1350,479 @@ async fn expiry_kills_or_with_auto_pause_pauses() {
         .header("E2b-Sandbox-Port", "49983");
     assert_eq!(health.send().await.unwrap().status().as_u16(), 204);
 }
+
+/// Starts `script` through envd with `extra` fields (`stdin`, `tag`) without waiting for its
+/// end: the stream is read whole by the returned task. Returns the task and the pid once
+/// `List` shows the process.
+async fn start_in_background(
+    app: &TestApp,
+    id: &str,
+    token: &str,
+    script: &str,
+    extra: Value,
+) -> (tokio::task::JoinHandle<Reply>, u64) {
+    let mut body = json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}});
+    if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+        body.extend(extra.clone());
+    }
+    let rb = envd(app, id, Some(token), "/process.Process/Start")
+        .header("Content-Type", "application/connect+json")
+        .body(envelope(&body));
+    let task = tokio::spawn(async move { Reply::read(rb.send().await.expect("send")).await });
+    let pid = support::poll(|| async {
+        let listed = unary(app, id, token, "process.Process/List", json!({}))
+            .await
+            .ok(200);
+        listed["processes"]
+            .as_array()
+            .and_then(|p| p.first())
+            .and_then(|p| p["pid"].as_u64())
+    })
+    .await;
+    (task, pid)
+}
+
+/// Whether `List` still shows a running process within a few seconds (polled).
+async fn still_running_after_a_while(app: &TestApp, id: &str, token: &str) -> bool {
+    for _ in 0..20 {
+        let listed = unary(app, id, token, "process.Process/List", json!({}))
+            .await
+            .ok(200);
+        if listed["processes"].as_array().is_some_and(Vec::is_empty) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    true
+}
+
+/// Input then `CloseStdin`: does the process see exactly the bytes, then end of input?
+async fn stdin_then_eof(app: &TestApp) -> bool {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let (task, pid) =
+        start_in_background(app, &id, &token, "cat > got.bin", json!({"stdin": true})).await;
+    let bytes = b"\x00\xffin\xc3\n";
+    unary(
+        app,
+        &id,
+        &token,
+        "process.Process/SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(bytes)}}),
+    )
+    .await
+    .ok(200);
+    unary(
+        app,
+        &id,
+        &token,
+        "process.Process/CloseStdin",
+        json!({"process": {"pid": pid}}),
+    )
+    .await
+    .ok(200);
+    if still_running_after_a_while(app, &id, &token).await {
+        task.abort();
+        return false;
+    }
+    let (events, _) = envelopes(&task.await.unwrap().body);
+    assert_eq!(events.last().unwrap()["event"]["end"]["exitCode"], 0);
+    let read = app
+        .client
+        .get(app.url("/files?path=got.bin"))
+        .header("E2b-Sandbox-Id", &id)
+        .header("E2b-Sandbox-Port", "49983")
+        .header("X-Access-Token", &token);
+    let got = Reply::read(read.send().await.unwrap()).await;
+    assert_eq!(got.status.as_u16(), 200);
+    assert_eq!(&got.body[..], bytes);
+    true
+}
+
+#[tokio::test]
+async fn close_stdin_ends_input() {
+    let app = spawn_app(|_| {}).await;
+    assert!(stdin_then_eof(&app).await);
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_close_stdin_ignored_leaves_the_process_reading() {
+    let app = spawn_app(|c| {
+        c.defects = reference_server::defects::Defects::parse(["e2b-close-stdin-ignored"]).unwrap()
+    })
+    .await;
+    assert!(!stdin_then_eof(&app).await);
+}
+
+/// SIGKILL to a process whose child writes a marker a second later: is the marker ever
+/// written? The end event says killed either way.
+async fn kill_leaves_a_marker(app: &TestApp) -> bool {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let (task, pid) = start_in_background(
+        app,
+        &id,
+        &token,
+        "(sleep 1; echo late > marker) & echo > started; wait",
+        json!({}),
+    )
+    .await;
+    let file = |path: &str| {
+        app.client
+            .get(app.url(&format!("/files?path={path}")))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "49983")
+            .header("X-Access-Token", &token)
+    };
+    support::poll(|| async {
+        (file("started").send().await.unwrap().status().as_u16() == 200).then_some(())
+    })
+    .await;
+    unary(
+        app,
+        &id,
+        &token,
+        "process.Process/SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await
+    .ok(200);
+    let (events, _) = envelopes(&task.await.unwrap().body);
+    assert_eq!(
+        events.last().unwrap()["event"]["end"]["status"],
+        "signal: killed"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    file("marker").send().await.unwrap().status().as_u16() == 200
+}
+
+#[tokio::test]
+async fn sigkill_ends_the_process_and_its_children() {
+    let app = spawn_app(|_| {}).await;
+    assert!(!kill_leaves_a_marker(&app).await);
+}
+
+/// SIGKILL to a shell that ignores SIGTERM: does it end, with upstream's end event?
+async fn sigkill_ends_a_term_ignoring_shell(app: &TestApp) -> bool {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let (task, pid) = start_in_background(
+        app,
+        &id,
+        &token,
+        "trap '' TERM; while :; do sleep 0.2; done",
+        json!({}),
+    )
+    .await;
+    unary(
+        app,
+        &id,
+        &token,
+        "process.Process/SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await
+    .ok(200);
+    if still_running_after_a_while(app, &id, &token).await {
+        task.abort();
+        return false;
+    }
+    let (events, _) = envelopes(&task.await.unwrap().body);
+    assert_eq!(
+        events.last().unwrap()["event"]["end"],
+        json!({"exitCode": -1, "exited": false, "status": "signal: killed"})
+    );
+    true
+}
+
+#[tokio::test]
+async fn sigkill_cannot_be_ignored() {
+    let app = spawn_app(|_| {}).await;
+    assert!(sigkill_ends_a_term_ignoring_shell(&app).await);
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_sigkill_sent_as_sigterm_is_ignored() {
+    let app = spawn_app(|c| {
+        c.defects =
+            reference_server::defects::Defects::parse(["e2b-sigkill-sent-as-sigterm"]).unwrap()
+    })
+    .await;
+    assert!(!sigkill_ends_a_term_ignoring_shell(&app).await);
+}
+
+/// A background process found again by its tag: the stream of `Connect` by tag.
+async fn connect_by_tag(app: &TestApp) -> (u64, Vec<Value>, Value) {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let (task, pid) = start_in_background(
+        app,
+        &id,
+        &token,
+        "while [ ! -e release ]; do sleep 0.1; done; exit 7",
+        json!({"tag": "bg"}),
+    )
+    .await;
+    let rb = envd(app, &id, Some(&token), "/process.Process/Connect")
+        .header("Content-Type", "application/connect+json")
+        .body(envelope(&json!({"process": {"tag": "bg"}})));
+    let attached = tokio::spawn(async move { Reply::read(rb.send().await.expect("send")).await });
+    let rb = envd(app, &id, Some(&token), "/files?path=release")
+        .header("Content-Type", "application/octet-stream")
+        .body("go");
+    Reply::read(rb.send().await.unwrap()).await.ok(200);
+    task.await.unwrap();
+    let (events, end) = envelopes(&attached.await.unwrap().body);
+    (pid, events, end)
+}
+
+#[tokio::test]
+async fn connect_by_tag_reaches_a_background_process() {
+    let app = spawn_app(|_| {}).await;
+    let (pid, events, end) = connect_by_tag(&app).await;
+    assert_eq!(end, json!({}));
+    assert_eq!(events[0]["event"]["start"]["pid"], pid);
+    assert_eq!(events.last().unwrap()["event"]["end"]["exitCode"], 7);
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_connect_by_tag_not_found() {
+    let app = spawn_app(|c| {
+        c.defects =
+            reference_server::defects::Defects::parse(["e2b-connect-by-tag-not-found"]).unwrap()
+    })
+    .await;
+    let (_, events, end) = connect_by_tag(&app).await;
+    assert!(events.is_empty());
+    assert_eq!(end["error"]["code"], "not_found");
+}
+
+/// The event types a polling watcher reports after a create, a write that changes the size,
+/// and a remove, one look after each.
+async fn watched_events(app: &TestApp) -> Vec<Vec<Value>> {
+    let (id, token) = create(app, ALICE, json!({"templateID": "base"})).await;
+    let watcher = unary(
+        app,
+        &id,
+        &token,
+        "filesystem.Filesystem/CreateWatcher",
+        json!({"path": "/home/user"}),
+    )
+    .await
+    .ok(200);
+    let watcher_id = watcher["watcherId"].as_str().unwrap().to_owned();
+    let mut seen = Vec::new();
+    for change in ["create", "write", "remove"] {
+        if change == "remove" {
+            unary(
+                app,
+                &id,
+                &token,
+                "filesystem.Filesystem/Remove",
+                json!({"path": "w.txt"}),
+            )
+            .await
+            .ok(200);
+        } else {
+            let rb = envd(app, &id, Some(&token), "/files?path=w.txt")
+                .header("Content-Type", "application/octet-stream")
+                .body(if change == "create" { "1" } else { "longer" });
+            Reply::read(rb.send().await.unwrap()).await.ok(200);
+        }
+        let events = unary(
+            app,
+            &id,
+            &token,
+            "filesystem.Filesystem/GetWatcherEvents",
+            json!({"watcherId": watcher_id}),
+        )
+        .await
+        .ok(200);
+        seen.push(
+            events["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["type"].clone())
+                .collect(),
+        );
+    }
+    seen
+}
+
+#[tokio::test]
+async fn a_watcher_sees_create_write_and_remove() {
+    let app = spawn_app(|_| {}).await;
+    assert_eq!(
+        watched_events(&app).await,
+        [
+            vec![json!("EVENT_TYPE_CREATE")],
+            vec![json!("EVENT_TYPE_WRITE")],
+            vec![json!("EVENT_TYPE_REMOVE")]
+        ]
+    );
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_watch_misses_writes() {
+    let app = spawn_app(|c| {
+        c.defects = reference_server::defects::Defects::parse(["e2b-watch-misses-writes"]).unwrap()
+    })
+    .await;
+    assert_eq!(
+        watched_events(&app).await,
+        [
+            vec![json!("EVENT_TYPE_CREATE")],
+            vec![],
+            vec![json!("EVENT_TYPE_REMOVE")]
+        ]
+    );
+}
+
+/// A sandbox created with `autoPause` whose end passes: `paused`, or gone (404)?
+async fn auto_pause_outcome(app: &TestApp) -> String {
+    let (id, _) = create(
+        app,
+        ALICE,
+        json!({"templateID": "base", "timeout": 1, "autoPause": true}),
+    )
+    .await;
+    support::poll(|| async {
+        let reply = e2b(
+            app,
+            Some(ALICE),
+            Method::GET,
+            &format!("/sandboxes/{id}"),
+            None,
+        )
+        .await;
+        match reply.status.as_u16() {
+            404 => Some("gone".to_owned()),
+            _ => {
+                let state = reply.ok(200)["state"].as_str().unwrap().to_owned();
+                (state == "paused").then_some(state)
+            }
+        }
+    })
+    .await
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_auto_pause_ignored_kills_instead() {
+    let app = spawn_app(|c| {
+        c.defects = reference_server::defects::Defects::parse(["e2b-auto-pause-ignored"]).unwrap()
+    })
+    .await;
+    assert_eq!(auto_pause_outcome(&app).await, "gone");
+}
+
+#[tokio::test]
+async fn expiry_pauses_an_auto_pause_sandbox() {
+    let app = spawn_app(|_| {}).await;
+    assert_eq!(auto_pause_outcome(&app).await, "paused");
+}
+
+/// What a process of a sandbox created with `envVars` prints for one, and what `/envs` says.
+async fn env_var_seen(app: &TestApp) -> (Vec<u8>, Value) {
+    let (id, token) = create(
+        app,
+        ALICE,
+        json!({"templateID": "base", "envVars": {"SANDSPEC_GREETING": "hello there"}}),
+    )
+    .await;
+    let (events, _) = run(app, &id, &token, "printf %s \"$SANDSPEC_GREETING\"").await;
+    let envs = app
+        .client
+        .get(app.url("/envs"))
+        .header("E2b-Sandbox-Id", &id)
+        .header("E2b-Sandbox-Port", "49983")
+        .header("X-Access-Token", &token);
+    let envs = Reply::read(envs.send().await.unwrap()).await.ok(200);
+    (stdout_of(&events), envs)
+}
+
+#[tokio::test]
+async fn env_vars_reach_processes_and_envs() {
+    let app = spawn_app(|_| {}).await;
+    let (stdout, envs) = env_var_seen(&app).await;
+    assert_eq!(stdout, b"hello there");
+    assert_eq!(envs["SANDSPEC_GREETING"], "hello there");
+}
+
+#[cfg(feature = "defects")]
+#[tokio::test]
+async fn defect_env_vars_dropped() {
+    let app = spawn_app(|c| {
+        c.defects = reference_server::defects::Defects::parse(["e2b-env-vars-dropped"]).unwrap()
+    })
+    .await;
+    let (stdout, envs) = env_var_seen(&app).await;
+    assert_eq!(stdout, b"");
+    assert_eq!(envs["SANDSPEC_GREETING"], "hello there");
+}
+
+/// `POST /sandboxes` with `Idempotency-Key`: as the SDK retries a create.
+async fn create_with_key(app: &TestApp, key: &str, idem: &str, body: Value) -> Reply {
+    let rb = app
+        .client
+        .post(app.url("/v2/sandboxes"))
+        .header("X-API-Key", key)
+        .header("Idempotency-Key", idem)
+        .json(&body);
+    Reply::read(rb.send().await.expect("send")).await
+}
+
+#[tokio::test]
+async fn create_with_the_same_idempotency_key_replays_the_first_sandbox() {
+    let app = spawn_app(|_| {}).await;
+    let body = json!({"templateID": "base", "metadata": {"k": "v"}});
+    let first = create_with_key(&app, ALICE, "create-1", body.clone())
+        .await
+        .ok(201);
+    let again = create_with_key(&app, ALICE, "create-1", body.clone()).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let again = again.ok(201);
+    assert_eq!(again["sandboxID"], first["sandboxID"]);
+    assert_eq!(again["envdAccessToken"], first["envdAccessToken"]);
+    let listed = e2b(&app, Some(ALICE), Method::GET, "/sandboxes", None)
+        .await
+        .ok(200);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+
+    // The key is the team's: another team with the same key gets a sandbox of its own.
+    let other = create_with_key(&app, BOB, "create-1", body.clone())
+        .await
+        .ok(201);
+    assert_ne!(other["sandboxID"], first["sandboxID"]);
+    // The same key with another body is refused and creates nothing.
+    let changed = create_with_key(
+        &app,
+        ALICE,
+        "create-1",
+        json!({"templateID": "base", "metadata": {"k": "other"}}),
+    )
+    .await;
+    e2b_error(&changed, 422);
+    // A new key creates a new sandbox; a killed one's key answers 404, not a new sandbox.
+    let second = create_with_key(&app, ALICE, "create-2", body.clone())
+        .await
+        .ok(201);
+    assert_ne!(second["sandboxID"], first["sandboxID"]);
+    let id = first["sandboxID"].as_str().unwrap();
+    let killed = e2b(
+        &app,
+        Some(ALICE),
+        Method::DELETE,
+        &format!("/sandboxes/{id}"),
+        None,
+    )
+    .await;
+    assert_eq!(killed.status.as_u16(), 204);
+    let replayed = create_with_key(&app, ALICE, "create-1", body).await;
+    e2b_error(&replayed, 404);
+    let listed = e2b(&app, Some(ALICE), Method::GET, "/sandboxes", None)
+        .await
+        .ok(200);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+}

@@ -102,6 +102,9 @@ pub(super) struct Prepared {
     pub(super) headers: Vec<(String, String)>,
     pub(super) literal_auth: bool,
     pub(super) body: Option<(Vec<u8>, String)>,
+    /// E2B's envd host form (`https://49983-<sandbox>.<domain>`), for a request to a
+    /// sandbox's envd when the run names an envd domain; it replaces the endpoint's URL.
+    pub(super) envd_host: Option<String>,
 }
 
 impl<'a> Ctx<'a> {
@@ -169,6 +172,18 @@ impl<'a> Ctx<'a> {
             None
         };
         let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
+        let mut envd_host = None;
+        if let Some(sandbox) = &r.envd {
+            let sandbox = self.vars.render(sandbox)?;
+            let port = super::steps::ENVD_PORT;
+            match &self.target.envd_domain {
+                Some(domain) => envd_host = Some(format!("https://{port}-{sandbox}.{domain}")),
+                None => {
+                    headers.push(("E2b-Sandbox-Id".to_owned(), sandbox));
+                    headers.push(("E2b-Sandbox-Port".to_owned(), port.to_string()));
+                }
+            }
+        }
         let target = with_query(&path, &query);
         if let Some(sign) = &r.bridge_signature {
             let secret = self.vars.render(&sign.secret)?;
@@ -198,6 +213,7 @@ impl<'a> Ctx<'a> {
             headers,
             literal_auth,
             body,
+            envd_host,
         })
     }
 
@@ -208,7 +224,8 @@ impl<'a> Ctx<'a> {
     ) -> reqwest::RequestBuilder {
         let method =
             reqwest::Method::from_bytes(p.method.as_str().as_bytes()).expect("known method");
-        let mut b = client.request(method, format!("{}{}", self.base(p.via), p.target));
+        let base = p.envd_host.as_deref().unwrap_or(self.base(p.via));
+        let mut b = client.request(method, format!("{base}{}", p.target));
         if !p.literal_auth
             && let Some(token) = self.token(p.principal)
         {
@@ -311,6 +328,7 @@ impl<'a> Ctx<'a> {
                 query.push(("page_token".into(), t.clone()));
             }
             let p = Prepared {
+                envd_host: None,
                 via: Via::Primary,
                 method: Method::Get,
                 target: with_query(path, &query),

@@ -178,6 +178,7 @@ impl<'a> Ctx<'a> {
             _ => c.principal,
         };
         Prepared {
+            envd_host: None,
             via: Via::Primary,
             method,
             target: c.path.clone(),
@@ -304,6 +305,7 @@ impl<'a> Ctx<'a> {
             "sweep"
         };
         let delete = Prepared {
+            envd_host: None,
             via: Via::Primary,
             method: Method::Delete,
             target: path,

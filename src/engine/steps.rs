@@ -24,6 +24,8 @@ mod sleep;
 mod snapshot;
 mod sse;
 
+pub(super) use connect::ENVD_PORT;
+
 /// One kind of step.
 pub(super) trait StepKind {
     /// How long the step may wait by its own declaration (a poll's window, a stream's

@@ -323,6 +323,10 @@ pub struct Request {
     /// The endpoint to send it to: `primary` unless given.
     #[serde(default)]
     pub via: Via,
+    /// E2B profile: send it to this sandbox's envd (its E2B ID), as `connect` steps reach
+    /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
+    #[serde(default)]
+    pub envd: Option<Template>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -705,6 +709,11 @@ pub struct Connect {
     /// The Connect error code expected (`not_found`, ...); absent: success.
     #[serde(default)]
     pub error: Option<String>,
+    /// A stream read only until one message holds every one of these checks, then closed
+    /// by the client (a background process keeps running: closing never ends it). The
+    /// stream ending first fails the step.
+    #[serde(default)]
+    pub until: Vec<JsonCheck>,
     /// Checks on the response message (unary); for a stream, each check must hold in some
     /// message.
     #[serde(default)]

@@ -613,6 +613,21 @@ impl Checker<'_> {
                 for check in &c.json {
                     self.json_check(check, scope, ctx);
                 }
+                if let Some(first) = c.until.first() {
+                    let pos = first.pointer.pos;
+                    if !c.stream {
+                        self.err(pos, "`until` reads a stream: it needs `stream: true`");
+                    }
+                    if c.error.is_some() {
+                        self.err(
+                            pos,
+                            "`until` stops at a message, `error` waits for the stream's end: give one",
+                        );
+                    }
+                }
+                for check in &c.until {
+                    self.json_check(check, scope, ctx);
+                }
                 for (name, cap) in &c.capture {
                     if cap.value.json.is_none()
                         || cap.value.header.is_some()
@@ -712,6 +727,15 @@ impl Checker<'_> {
             );
         }
         self.template(&r.path, scope, ctx);
+        if let Some(t) = &r.envd {
+            self.template(t, scope, ctx);
+            if r.via == Via::Peer {
+                self.err(
+                    t.pos,
+                    "`envd` names the sandbox's envd: it cannot go `via: peer`",
+                );
+            }
+        }
         for t in r.headers.values().chain(r.query.values()) {
             self.template(t, scope, ctx);
         }

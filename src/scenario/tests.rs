@@ -586,3 +586,32 @@ fn e2b_clauses_must_be_defined_and_connect_steps_checked() {
     let captured = "  - connect: {sandbox: x, rpc: process.Process/List, capture: {n: {json: /processes}}}\n  - connect: {sandbox: \"{{n}}\", rpc: process.Process/List}\n";
     assert!(parse_str(Path::new("ok.yaml"), &e2b("E2B-PRC-1", captured)).is_ok());
 }
+
+#[test]
+fn connect_until_needs_a_stream_and_no_expected_error() {
+    let e2b = |step: &str| {
+        format!("id: E2B-PRC-001\ntitle: t\nclauses: [E2B-PRC-1]\nlevel: SHOULD\nsteps:\n{step}")
+    };
+    let until = "until: [{pointer: /event/start/pid, exists: true}]";
+    let ok =
+        format!("  - connect: {{sandbox: x, rpc: process.Process/Start, stream: true, {until}}}\n");
+    assert!(parse_str(Path::new("ok.yaml"), &e2b(&ok)).is_ok());
+    check_err(
+        &e2b(&format!(
+            "  - connect: {{sandbox: x, rpc: process.Process/List, {until}}}\n"
+        )),
+        "bad.yaml:6:72: `until` reads a stream: it needs `stream: true`",
+    );
+    check_err(
+        &e2b(&format!(
+            "  - connect: {{sandbox: x, rpc: process.Process/Start, stream: true, error: not_found, {until}}}\n"
+        )),
+        "bad.yaml:6:105: `until` stops at a message, `error` waits for the stream's end: give one",
+    );
+    check_err(
+        &e2b(
+            "  - connect: {sandbox: x, rpc: process.Process/Start, stream: true, until: [{pointer: /a, equals: \"{{nope}}\"}]}\n",
+        ),
+        "bad.yaml:6:99: unknown variable `nope`",
+    );
+}

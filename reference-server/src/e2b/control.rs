@@ -21,6 +21,7 @@ use time::OffsetDateTime;
 
 use crate::api::error::ApiError;
 use crate::api::extract::{Path, QueryPairs};
+use crate::api::idempotency::{self, Created, IdemRequest};
 use crate::api::pagination::PageRequest;
 use crate::api::sandboxes::{
     destroy, list_matching, pause_sandbox, sandbox_of, secs, store_into, update_sandbox,
@@ -99,7 +100,10 @@ impl From<ApiError> for E2bError {
             ApiError::QuotaExceeded(_) | ApiError::TooManyStreams { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
-            ApiError::ResourcesUnsatisfiable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::ResourcesUnsatisfiable(_) | ApiError::IdempotencyKeyReused => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
+            ApiError::IdempotencyKeyInUse => StatusCode::CONFLICT,
             ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(details) => {
                 tracing::error!(error = %details, "internal error");
@@ -424,7 +428,15 @@ pub async fn create_v1(
     let req: NewSandbox = body(&headers, &raw)?;
     let secure = req.secure.unwrap_or(false);
     // `NewSandbox.timeout` defaults to 15 s upstream.
-    create(state, team, &headers, req, secure, 15).await
+    let creating = create(
+        state.clone(),
+        team.clone(),
+        headers.clone(),
+        req,
+        secure,
+        15,
+    );
+    idempotent(&state, &team, headers, "/sandboxes", &raw, creating).await
 }
 
 pub async fn create_v2(
@@ -440,17 +452,54 @@ pub async fn create_v2(
         ));
     }
     // `NewSandboxV2`: always secured, timeout 300 s by default.
-    create(state, team, &headers, req, true, 300).await
+    let creating = create(state.clone(), team.clone(), headers.clone(), req, true, 300);
+    idempotent(&state, &team, headers, "/v2/sandboxes", &raw, creating).await
+}
+
+/// `Idempotency-Key` on a create (the SDK sends one): the first request with a key creates;
+/// a repeat by the same team with the same key and body answers that sandbox again, as it is
+/// now, instead of creating another; the same key with another body is 422, and a repeat
+/// while the first is still creating is 409. The same rules as `/v1` (`api::idempotency`).
+async fn idempotent(
+    state: &AppState,
+    team: &Team,
+    headers: HeaderMap,
+    path: &str,
+    raw: &[u8],
+    creating: impl Future<Output = Result<Created, E2bError>> + Send + 'static,
+) -> Result<Response, E2bError> {
+    let key = crate::api::extract::idempotency_key(&headers)?;
+    let req = IdemRequest {
+        principal: &team.principal,
+        method: "POST",
+        path,
+        key,
+        body: raw,
+    };
+    let replay_state = state.clone();
+    let principal = team.principal.clone();
+    let replay = move |id: String| async move {
+        let rec = replay_state
+            .store
+            .get(Kind::Sandbox, Scope::Owner(&principal), &id)
+            .await?;
+        rec.map(|rec| {
+            let body = sandbox_view(&replay_state, &rec, &headers)?;
+            Ok(Created::new(StatusCode::CREATED, id, body))
+        })
+        .transpose()
+    };
+    idempotency::run(state, req, move || creating, replay).await
 }
 
 async fn create(
     state: AppState,
     team: Team,
-    headers: &HeaderMap,
+    headers: HeaderMap,
     req: NewSandbox,
     secure: bool,
     default_timeout: u64,
-) -> Result<Response, E2bError> {
+) -> Result<Created, E2bError> {
     let template = req
         .template_id
         .clone()
@@ -490,7 +539,9 @@ async fn create(
         metadata,
         created_at,
         expires_at: created_at + secs(timeout_s),
-        on_timeout: if req.auto_pause.unwrap_or(false) {
+        on_timeout: if req.auto_pause.unwrap_or(false)
+            && !state.config.defects.has(Defect::E2bAutoPauseIgnored)
+        {
             OnTimeout::Pause
         } else {
             OnTimeout::Kill
@@ -559,11 +610,8 @@ async fn create(
         Ok(())
     })
     .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(sandbox_view(&state, &rec, headers)?),
-    )
-        .into_response())
+    let body = sandbox_view(&state, &rec, &headers)?;
+    Ok(Created::new(StatusCode::CREATED, rec.id, body))
 }
 
 /// `metadata` of the list endpoints: one query parameter holding `key=value` pairs joined by

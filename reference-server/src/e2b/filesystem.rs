@@ -19,6 +19,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::api::AppState;
+use crate::defects::Defect;
 use crate::sandbox::{EntryStat, FileError, SandboxFiles};
 
 use super::connect::{self, Code, ConnectError};
@@ -310,7 +311,8 @@ fn snapshot(files: &SandboxFiles, dir: &str, recursive: bool) -> Result<Snapshot
 }
 
 /// The events that turn `old` into `new`: (name relative to the watched directory, type).
-fn diff(old: &Snapshot, new: &Snapshot) -> Vec<(String, &'static str)> {
+/// `skip_writes` is the deliberate defect `e2b-watch-misses-writes`.
+fn diff(old: &Snapshot, new: &Snapshot, skip_writes: bool) -> Vec<(String, &'static str)> {
     let mut out = Vec::new();
     for (name, now) in new {
         match old.get(name) {
@@ -319,7 +321,7 @@ fn diff(old: &Snapshot, new: &Snapshot) -> Vec<(String, &'static str)> {
                 out.push((name.clone(), "EVENT_TYPE_REMOVE"));
                 out.push((name.clone(), "EVENT_TYPE_CREATE"));
             }
-            Some(before) if now.0 == "file" && before != now => {
+            Some(before) if now.0 == "file" && before != now && !skip_writes => {
                 out.push((name.clone(), "EVENT_TYPE_WRITE"))
             }
             Some(_) => {}
@@ -407,9 +409,10 @@ pub async fn watch_dir(State(state): State<AppState>, headers: HeaderMap, body: 
             let looked = {
                 let (files, dir, old) = (std::sync::Arc::clone(&files), dir.clone(), snap.clone());
                 let (recursive, include) = (req.recursive, req.include_entry);
+                let skip_writes = state.config.defects.has(Defect::E2bWatchMissesWrites);
                 blocking(move || {
                     let new = snapshot(&files, &dir, recursive)?;
-                    let events: Vec<Value> = diff(&old, &new)
+                    let events: Vec<Value> = diff(&old, &new, skip_writes)
                         .into_iter()
                         .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
                         .collect();
@@ -530,9 +533,10 @@ pub async fn get_watcher_events(
             )
         };
         let files = sbx.files()?;
+        let skip_writes = state.config.defects.has(Defect::E2bWatchMissesWrites);
         let (new, events) = blocking(move || {
             let new = snapshot(&files, &dir, recursive)?;
-            let events: Vec<Value> = diff(&old, &new)
+            let events: Vec<Value> = diff(&old, &new, skip_writes)
                 .into_iter()
                 .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
                 .collect();
@@ -595,7 +599,7 @@ mod tests {
         ]
         .into();
         assert_eq!(
-            diff(&old, &new),
+            diff(&old, &new, false),
             vec![
                 ("new".to_owned(), "EVENT_TYPE_CREATE"),
                 ("written".to_owned(), "EVENT_TYPE_WRITE"),

@@ -135,11 +135,13 @@ async fn select(
     selector: Option<Selector>,
 ) -> Result<Record, ConnectError> {
     let selector = selector.ok_or_else(|| ConnectError::invalid("process is required"))?;
+    let by_tag_lost = state.config.defects.has(Defect::E2bConnectByTagNotFound);
     let records = processes_of(state, sbx).await?;
     let found = match (selector.pid, selector.tag) {
         (Some(pid), None) => records
             .into_iter()
             .find(|r| e2b_process(r).is_some_and(|p| p.pid == pid)),
+        (None, Some(_)) if by_tag_lost => None,
         (None, Some(tag)) => {
             let tagged: Vec<Record> = records
                 .into_iter()
@@ -371,6 +373,11 @@ async fn start_process(
         timeout_ms: None,
         tag: req.tag.clone(),
     };
+    let sandbox_env = if state.config.defects.has(Defect::E2bEnvVarsDropped) {
+        BTreeMap::new()
+    } else {
+        sbx.env()
+    };
     let (provider_name, _) = crate::api::lookup::split(&sbx.rec.id)?;
     let _serial = PID_LOCK.lock().await;
     let pid = processes_of(state, sbx)
@@ -425,7 +432,7 @@ async fn start_process(
         .map_err(crate::api::ApiError::from)?;
     if let Err(e) = sbx
         .provider
-        .spawn(&sbx.local, rec.clone(), &spec, &sbx.env())
+        .spawn(&sbx.local, rec.clone(), &spec, &sandbox_env)
         .await
     {
         if let Err(e) = state.store.delete(Kind::Process, &rec.id).await {
@@ -610,6 +617,10 @@ pub async fn close_stdin(
     let result = async {
         let req: SelectorRequest = connect::unary_request(&headers, &body)?;
         let rec = running(&state, &sbx, req.process).await?;
+        if state.config.defects.has(Defect::E2bCloseStdinIgnored) {
+            // The defect: answered, and the process's stdin left open.
+            return Ok(json!({}));
+        }
         sbx.provider
             .write_stdin(&rec.id, &[], true)
             .await
@@ -641,6 +652,13 @@ pub async fn send_signal(
                     "signal must be SIGNAL_SIGTERM or SIGNAL_SIGKILL",
                 ));
             }
+        };
+        let signal = if signal == Signal::Kill
+            && state.config.defects.has(Defect::E2bSigkillSentAsSigterm)
+        {
+            Signal::Term
+        } else {
+            signal
         };
         let rec = running(&state, &sbx, req.process).await?;
         sbx.provider

@@ -28,6 +28,7 @@ impl Ctx<'_> {
             .fresh_client()
             .map_err(|e| StepError::Error(e.to_string()))?;
         let p = Prepared {
+            envd_host: None,
             via: Via::Primary,
             method: Method::Get,
             target: path.clone(),

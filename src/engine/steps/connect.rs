@@ -74,12 +74,33 @@ impl Ctx<'_> {
         }
         let at_ms = self.at();
         let sent = Instant::now();
-        let result = match tokio::time::timeout(limit, exchange(builder, limit, false)).await {
-            Ok(r) => r,
-            Err(_) => Err((
-                format!("the call did not complete within {}s", limit.as_secs()),
+        let reading = async {
+            if c.stream && !c.until.is_empty() {
+                read_until(builder, limit, &c.until, &self.vars).await
+            } else {
+                exchange(builder, limit, false).await.map(|o| (o, false))
+            }
+        };
+        let (result, stopped) = match tokio::time::timeout(limit, reading).await {
+            Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
+            Ok(Err(e)) => (Err(e), false),
+            Err(_) if !c.until.is_empty() => (
+                Err((
+                    format!(
+                        "no message held `until` within {}s, and the stream did not end",
+                        limit.as_secs()
+                    ),
+                    false,
+                )),
                 false,
-            )),
+            ),
+            Err(_) => (
+                Err((
+                    format!("the call did not complete within {}s", limit.as_secs()),
+                    false,
+                )),
+                false,
+            ),
         };
         let mut record = HttpExchange {
             step: label.to_owned(),
@@ -114,7 +135,9 @@ impl Ctx<'_> {
         record.response_headers = record_headers(&obs.headers);
         record.response_body = Some(Body::of(&obs.body));
         self.transcript.push(Entry::Http(record));
-        let messages = if c.stream {
+        let messages = if !c.until.is_empty() {
+            Some(self.judge_until(&obs, stopped)?)
+        } else if c.stream {
             self.judge_stream(c, &obs)?
         } else {
             self.judge_unary(c, &obs)?
@@ -198,6 +221,61 @@ impl Ctx<'_> {
         }
     }
 
+    /// A stream read until a message held `until`: the messages up to that one, or why the
+    /// stream failed or ended before one did.
+    fn judge_until(&self, obs: &Observed, stopped: bool) -> Result<Vec<Value>, StepError> {
+        if obs.status != 200 {
+            return Err(StepError::Fail(format!(
+                "status {}, a Connect stream answers 200",
+                obs.status
+            )));
+        }
+        let ct = obs.content_type();
+        if !ct.starts_with("application/connect+json") {
+            return Err(StepError::Fail(format!(
+                "content-type `{ct}`, expected application/connect+json"
+            )));
+        }
+        let mut parser = connect::Parser::new();
+        let mut items = parser.push(&obs.body);
+        if !stopped {
+            items.extend(parser.finish().map(Item::Fault));
+        }
+        let mut messages = Vec::new();
+        let mut faults = Vec::new();
+        let mut error = None;
+        for item in items {
+            match item {
+                Item::Message(m) => messages.push(m),
+                Item::End(e) => {
+                    error = e.get("error").map(|e| {
+                        e.get("code")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_owned()
+                    });
+                }
+                Item::Fault(f) => faults.push(format!("framing: {f}")),
+            }
+        }
+        if !faults.is_empty() {
+            return Err(StepError::Fail(faults.join("; ")));
+        }
+        if stopped {
+            return Ok(messages);
+        }
+        Err(StepError::Fail(match error {
+            Some(code) => format!(
+                "the stream ended with the Connect error `{code}` after {} messages, none holding `until`",
+                messages.len()
+            ),
+            None => format!(
+                "the stream ended after {} messages, none holding `until`",
+                messages.len()
+            ),
+        }))
+    }
+
     /// A server stream: its messages when it ended cleanly as expected, `None` when its
     /// end-of-stream message carried the expected error.
     fn judge_stream(&self, c: &Connect, obs: &Observed) -> Result<Option<Vec<Value>>, StepError> {
@@ -247,5 +325,165 @@ impl Ctx<'_> {
                 "the stream ended with the Connect error `{code}`, expected `{want}`"
             ))),
         }
+    }
+}
+
+/// Sends a stream request and reads its envelopes until a message holds every `until`
+/// check; then the response is dropped, which closes the stream. The body read so far, and
+/// whether a message held them. A response that is not a 200 Connect stream is read whole,
+/// for the judge to report.
+async fn read_until(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    until: &[crate::scenario::JsonCheck],
+    vars: &crate::engine::vars::Vars<'_>,
+) -> Result<(Observed, bool), (String, bool)> {
+    let secs = limit.as_secs_f64();
+    let mut response = match builder.timeout(limit).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            return Err((crate::target::describe_reqwest(&e), e.is_connect()));
+        }
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let streamed = status == 200
+        && headers
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("application/connect+json"));
+    let mut parser = connect::Parser::new();
+    let mut body = Vec::new();
+    let mut stopped = false;
+    loop {
+        let chunk = match response.chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) if e.is_timeout() => {
+                return Err((
+                    format!(
+                        "the stream stalled after {} bytes within {secs}s",
+                        body.len()
+                    ),
+                    false,
+                ));
+            }
+            Err(e) => return Err((crate::target::describe_reqwest(&e), false)),
+        };
+        body.extend_from_slice(&chunk);
+        if !streamed {
+            continue;
+        }
+        let held = parser.push(&chunk).iter().any(|item| {
+            matches!(item, Item::Message(m)
+                if until.iter().all(|check| json_check(check, m, vars).is_ok()))
+        });
+        if held {
+            stopped = true;
+            break;
+        }
+    }
+    drop(response);
+    Ok((
+        Observed {
+            status,
+            headers,
+            body: body.into(),
+        },
+        stopped,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::json;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+    use crate::engine::Vars;
+    use crate::scenario::{JsonCheck, Step, parse_str};
+    use crate::target::Capabilities;
+
+    /// The `until` checks of a one-step scenario, parsed as a scenario file would be.
+    fn until(checks: &str) -> Vec<JsonCheck> {
+        let text = format!(
+            "id: E2B-PRC-001\ntitle: t\nclauses: [E2B-PRC-1]\nlevel: SHOULD\nsteps:\n  - connect: {{sandbox: x, rpc: process.Process/Start, stream: true, until: {checks}}}\n"
+        );
+        match &parse_str(Path::new("t.yaml"), &text).unwrap().steps[0] {
+            Step::Connect(c) => c.until.clone(),
+            other => panic!("not a connect step: {other:?}"),
+        }
+    }
+
+    /// A one-connection server answering a Connect stream of `messages`, then the end of the
+    /// stream when `end`, else holding the connection open until the client leaves.
+    async fn stream_server(messages: Vec<serde_json::Value>, end: bool) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = sock.read(&mut buf).await;
+            let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            let mut chunk = |bytes: Vec<u8>| {
+                out.extend_from_slice(format!("{:x}\r\n", bytes.len()).as_bytes());
+                out.extend_from_slice(&bytes);
+                out.extend_from_slice(b"\r\n");
+            };
+            for m in &messages {
+                chunk(connect::envelope(0, m.to_string().as_bytes()));
+            }
+            if end {
+                chunk(connect::envelope(2, b"{}"));
+                out.extend_from_slice(b"0\r\n\r\n");
+            }
+            sock.write_all(&out).await.unwrap();
+            // Held open: the read ends when the client closes its side.
+            let _ = sock.read(&mut buf).await;
+        });
+        url
+    }
+
+    async fn read(url: &str, checks: &[JsonCheck]) -> (Observed, bool) {
+        let caps = Capabilities::default();
+        let vars = Vars::new("run", &caps, "canary");
+        crate::target::install_crypto_provider();
+        let builder = reqwest::Client::new().post(url).body("x");
+        read_until(builder, Duration::from_secs(30), checks, &vars)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_stays_open_is_left_at_the_first_message_holding_until() {
+        let url = stream_server(
+            vec![
+                json!({"event": {"start": {"pid": 7}}}),
+                json!({"event": {"data": {"stdout": "aGkK"}}}),
+            ],
+            false,
+        )
+        .await;
+        let (obs, stopped) =
+            read(&url, &until("[{pointer: /event/start/pid, exists: true}]")).await;
+        assert!(stopped);
+        let items = connect::Parser::new().push(&obs.body);
+        assert_eq!(
+            items.first(),
+            Some(&Item::Message(json!({"event": {"start": {"pid": 7}}})))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_first_is_read_to_its_end_and_not_stopped() {
+        let url = stream_server(vec![json!({"event": {"start": {"pid": 7}}})], true).await;
+        let (obs, stopped) = read(&url, &until("[{pointer: /event/end, exists: true}]")).await;
+        assert!(!stopped);
+        assert!(matches!(
+            connect::parse_all(&obs.body).last(),
+            Some(Item::End(_))
+        ));
     }
 }

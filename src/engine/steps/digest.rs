@@ -61,6 +61,7 @@ impl Ctx<'_> {
         let body = serde_json::to_vec(&serde_json::json!({ "hold_s": hold_s }))
             .expect("a JSON object serializes");
         let p = Prepared {
+            envd_host: None,
             via: Via::Primary,
             method: Method::Post,
             target: "/v1/test/expiry_hold".into(),
@@ -83,6 +84,7 @@ impl Ctx<'_> {
 
     async fn digest(&mut self, label: &str) -> Result<String, StepError> {
         let p = Prepared {
+            envd_host: None,
             via: Via::Primary,
             method: Method::Get,
             target: "/v1/test/digest".into(),

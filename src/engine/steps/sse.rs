@@ -84,6 +84,7 @@ impl Ctx<'_> {
             })
             .and_then(|v| v.parse().ok());
         let prepared = Prepared {
+            envd_host: None,
             via: s.via,
             method: Method::Get,
             target: with_query(&path, &query),
