@@ -148,6 +148,12 @@ pub enum Defect {
     SignalNameUnchecked,
     /// Output beyond the limit is dropped, but the output says `truncated: false`.
     TruncationUnreported,
+    /// A server started again after a crash leaves the dead server's sandbox processes
+    /// running, unowned, and their records `running`.
+    RestartLeavesProcesses,
+    /// While the store is unreachable, requests are answered 500 `internal` without
+    /// `Retry-After` instead of 503 `unavailable`.
+    StoreOutageIs500,
     // The E2B surface (crate::e2b).
     /// E2B control plane: another team's sandbox is answered 403 instead of 404.
     E2bForeignSandbox403,
@@ -227,6 +233,8 @@ impl Defect {
         Defect::StdinEofIgnored,
         Defect::SignalNameUnchecked,
         Defect::TruncationUnreported,
+        Defect::RestartLeavesProcesses,
+        Defect::StoreOutageIs500,
         Defect::E2bForeignSandbox403,
         Defect::E2bTimeoutOnlyExtends,
         Defect::E2bConnectDoesNotResume,
@@ -299,6 +307,8 @@ impl Defect {
             Defect::StdinEofIgnored => "stdin-eof-ignored",
             Defect::SignalNameUnchecked => "signal-name-unchecked",
             Defect::TruncationUnreported => "truncation-unreported",
+            Defect::RestartLeavesProcesses => "restart-leaves-processes",
+            Defect::StoreOutageIs500 => "store-outage-is-500",
             Defect::E2bForeignSandbox403 => "e2b-foreign-sandbox-403",
             Defect::E2bTimeoutOnlyExtends => "e2b-timeout-only-extends",
             Defect::E2bConnectDoesNotResume => "e2b-connect-does-not-resume",
@@ -398,6 +408,10 @@ impl Defect {
             Defect::StdinEofIgnored => "stdin eof is answered but stdin stays open",
             Defect::SignalNameUnchecked => "an unknown signal name is sent as TERM",
             Defect::TruncationUnreported => "dropped output is not reported as truncated",
+            Defect::RestartLeavesProcesses => {
+                "after a crash, the dead server's sandbox processes run on, unowned"
+            }
+            Defect::StoreOutageIs500 => "an unreachable store is answered 500 without Retry-After",
             Defect::E2bForeignSandbox403 => "E2B: another team's sandbox is answered 403, not 404",
             Defect::E2bTimeoutOnlyExtends => "E2B: a timeout call can extend but never shorten",
             Defect::E2bConnectDoesNotResume => {

@@ -14,6 +14,7 @@ use crate::scenario::{Expect, Step};
 mod absent;
 mod connect;
 mod digest;
+mod fault;
 mod parallel;
 mod poll;
 mod request;
@@ -64,6 +65,22 @@ macro_rules! dispatch {
             Step::Sleep($k) => $body,
             Step::Absent($k) => $body,
             Step::Connect($k) => $body,
+            Step::KillServer(f) => {
+                let $k = &fault::Inject(fault::FaultKind::KillServer, &f.value);
+                $body
+            }
+            Step::RestartServer(f) => {
+                let $k = &fault::Inject(fault::FaultKind::RestartServer, &f.value);
+                $body
+            }
+            Step::StopDatabase(f) => {
+                let $k = &fault::Inject(fault::FaultKind::StopDatabase, &f.value);
+                $body
+            }
+            Step::StartDatabase(f) => {
+                let $k = &fault::Inject(fault::FaultKind::StartDatabase, &f.value);
+                $body
+            }
         }
     };
 }
