@@ -645,4 +645,39 @@ mod tests {
         assert_eq!(signal_name(libc::SIGINT), "INT");
         assert_eq!(signal_name(64), "SIG64");
     }
+
+    /// A group written down and still running is killed; a file whose start time does not
+    /// match (the PID now belongs to another process) kills nothing; both files go.
+    #[test]
+    fn leftover_groups_are_ended_only_when_they_are_the_same_process() {
+        use std::os::unix::process::CommandExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = i32::try_from(child.id()).unwrap();
+        let live = dir.path().join("procs").join("local_prc_a");
+        write_pid_file(&live, pgid, "local:prc_a").unwrap();
+        let stale = dir.path().join("procs").join("local_prc_b");
+        std::fs::write(&stale, format!("{pgid} 1 local:prc_b\n")).unwrap();
+
+        assert_eq!(end_leftover(&stale), (false, Some("local:prc_b".into())));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "a mismatched file kills nothing"
+        );
+        assert!(!stale.exists());
+
+        assert_eq!(end_leftover(&live), (true, Some("local:prc_a".into())));
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert!(!live.exists());
+        assert_eq!(
+            end_leftover(&live),
+            (false, None),
+            "a missing file is nothing to end"
+        );
+    }
 }
