@@ -552,8 +552,8 @@ impl Control {
     }
 
     /// Starts the primary server process (or the peer's) again on its data directory,
-    /// database and port; a running one is killed first.
-    pub async fn restart_server(&self, peer: bool) -> Result<(), String> {
+    /// database and port; `Ok(false)` when it is running (nothing to restart).
+    pub async fn restart_server(&self, peer: bool) -> Result<bool, String> {
         let mut servers = self.servers.lock().await;
         let server = servers
             .get_mut(usize::from(peer))
@@ -567,7 +567,7 @@ impl Control {
     }
 
     /// Starts the database server again on the same port, and waits until it accepts
-    /// connections.
+    /// connections; nothing happens when it is running.
     pub async fn start_database(&self) -> Result<(), String> {
         self.on_cluster(|c| c.start()).await
     }
@@ -782,10 +782,10 @@ impl ReferenceServer {
     }
 
     /// Starts the server again on the same data directory, database, tokens and port (its
-    /// URL does not change). A running server is killed first.
-    pub async fn restart(&mut self) -> Result<(), String> {
+    /// URL does not change). A server that is running is left alone: `Ok(false)`.
+    pub async fn restart(&mut self) -> Result<bool, String> {
         if self.child.is_some() {
-            self.kill().await?;
+            return Ok(false);
         }
         let listen = self
             .url
@@ -799,7 +799,7 @@ impl ReferenceServer {
             match spawn_serve(&self.options, self.dir.path(), &listen).await {
                 Ok((child, url)) if url == self.url => {
                     self.child = Some(child);
-                    return Ok(());
+                    return Ok(true);
                 }
                 Ok((_, url)) => return Err(format!("restarted on {url}, not {}", self.url)),
                 Err(e) => last = e.to_string(),

@@ -154,6 +154,9 @@ pub enum Defect {
     /// While the store is unreachable, requests are answered 500 `internal` without
     /// `Retry-After` instead of 503 `unavailable`.
     StoreOutageIs500,
+    /// A session whose home process died is never taken over by another process: its running
+    /// turn stays `running` for ever.
+    DeadHomeNeverTakenOver,
     // The E2B surface (crate::e2b).
     /// E2B control plane: another team's sandbox is answered 403 instead of 404.
     E2bForeignSandbox403,
@@ -235,6 +238,7 @@ impl Defect {
         Defect::TruncationUnreported,
         Defect::RestartLeavesProcesses,
         Defect::StoreOutageIs500,
+        Defect::DeadHomeNeverTakenOver,
         Defect::E2bForeignSandbox403,
         Defect::E2bTimeoutOnlyExtends,
         Defect::E2bConnectDoesNotResume,
@@ -309,6 +313,7 @@ impl Defect {
             Defect::TruncationUnreported => "truncation-unreported",
             Defect::RestartLeavesProcesses => "restart-leaves-processes",
             Defect::StoreOutageIs500 => "store-outage-is-500",
+            Defect::DeadHomeNeverTakenOver => "dead-home-never-taken-over",
             Defect::E2bForeignSandbox403 => "e2b-foreign-sandbox-403",
             Defect::E2bTimeoutOnlyExtends => "e2b-timeout-only-extends",
             Defect::E2bConnectDoesNotResume => "e2b-connect-does-not-resume",
@@ -412,6 +417,7 @@ impl Defect {
                 "after a crash, the dead server's sandbox processes run on, unowned"
             }
             Defect::StoreOutageIs500 => "an unreachable store is answered 500 without Retry-After",
+            Defect::DeadHomeNeverTakenOver => "a dead home process's sessions are never taken over",
             Defect::E2bForeignSandbox403 => "E2B: another team's sandbox is answered 403, not 404",
             Defect::E2bTimeoutOnlyExtends => "E2B: a timeout call can extend but never shorten",
             Defect::E2bConnectDoesNotResume => {

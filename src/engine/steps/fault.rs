@@ -50,18 +50,26 @@ impl StepKind for Inject<'_> {
         let at_ms = ctx.at();
         let began = Instant::now();
         let done = match self.0 {
-            FaultKind::KillServer => control.kill_server(peer).await,
+            FaultKind::KillServer => control.kill_server(peer).await.map(|()| true),
             FaultKind::RestartServer => control.restart_server(peer).await,
-            FaultKind::StopDatabase => control.stop_database().await,
-            FaultKind::StartDatabase => control.start_database().await,
+            FaultKind::StopDatabase => control.stop_database().await.map(|()| true),
+            FaultKind::StartDatabase => control.start_database().await.map(|()| true),
         };
         let took_ms = ms(began.elapsed());
-        done.map_err(|e| StepError::Error(format!("{}: {e}", self.0.name())))?;
+        let acted = done.map_err(|e| StepError::Error(format!("{}: {e}", self.0.name())))?;
         let on = match (self.0, peer) {
             (FaultKind::StopDatabase | FaultKind::StartDatabase, _) => "database",
             (_, true) => "peer",
             (_, false) => "primary",
         };
+        if !acted {
+            // A cleanup step that brings a killed server back finds it running when the
+            // steps did so already: nothing was injected.
+            ctx.note(format!(
+                "{label}: the {on} server is running, nothing to restart"
+            ));
+            return Ok(());
+        }
         ctx.note(format!(
             "{label}: {} on the {on} done in {took_ms} ms",
             self.0.name()
