@@ -580,18 +580,23 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .override_features(&args.assume_capability, &args.drop_capability)
         .map_err(RunError::Usage)?;
     target.wait_budget = args.max_wait.0;
-    // The reference server has a peer only on PostgreSQL: there, scenarios that need one are
-    // not applicable (left out, said so, and recorded in the report and the receipt) rather
-    // than skipped, which would make the reference's own run partial. A URL target without
-    // --peer-url skips them, and so does a certification run.
+    // The reference server has a peer, and a database server to stop, only on PostgreSQL:
+    // on SQLite, scenarios that need one are not applicable (left out, said so, and recorded
+    // in the report and the receipt) rather than skipped, which would make the reference's
+    // own run partial. A URL target skips them, and so does a certification run.
     let mut not_applicable = Vec::new();
-    let selected = if kind == "reference" && target.peer.is_none() && !args.certify {
-        let (needs_peer, rest): (Vec<LoadedScenario>, Vec<LoadedScenario>) = selected
-            .into_iter()
-            .partition(|s| s.scenario.requires.iter().any(|r| r.value == "peer"));
-        for s in &needs_peer {
-            let reason =
-                "needs a peer; the reference server has one only on PostgreSQL (--database-url)";
+    let selected = if kind == "reference" && !args.certify {
+        let mut rest = Vec::new();
+        for s in selected {
+            let needs = |cap: &str| s.scenario.requires.iter().any(|r| r.value == cap);
+            let reason = if needs("peer") && target.peer.is_none() {
+                "needs a peer; the reference server has one only on PostgreSQL (--database-url)"
+            } else if needs("database_control") && !target.database_controllable() {
+                "stops and starts the database; the reference server has a database server only on PostgreSQL (--database-url)"
+            } else {
+                rest.push(s);
+                continue;
+            };
             eprintln!("not applicable: {} {reason}", s.id());
             not_applicable.push(crate::report::NotApplicable {
                 id: s.id().to_owned(),
@@ -600,7 +605,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         }
         if rest.is_empty() {
             return Err(RunError::Usage(
-                "no scenario selected: every selected scenario needs a peer (--database-url)"
+                "no scenario selected: every selected scenario needs PostgreSQL (--database-url)"
                     .into(),
             ));
         }

@@ -27,6 +27,8 @@ pub struct ScenarioReport {
     pub measurements: BTreeMap<String, f64>,
     /// What the scenario's leak check found, and whether the sweep then removed it.
     pub swept: Vec<Leftover>,
+    /// The faults the scenario injected, with what was checked after each.
+    pub faults: Vec<crate::engine::FaultRecord>,
     pub transcript: Vec<Entry>,
 }
 
@@ -48,6 +50,7 @@ impl ScenarioReport {
             attempts: run.attempts,
             measurements: run.measurements,
             swept: run.swept,
+            faults: run.faults,
             transcript: run.transcript,
         }
     }
@@ -514,6 +517,7 @@ mod tests {
             attempts: 1,
             measurements: BTreeMap::new(),
             swept: vec![],
+            faults: vec![],
             transcript: vec![],
         }
     }

@@ -226,6 +226,13 @@ pub struct Target {
     pub mcp: Option<crate::mcp::McpServer>,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
+    /// How this target was started, when the runner started it: a scenario that injects
+    /// faults (`requires: [server_control]` or `[database_control]`) gets a deployment of
+    /// its own started the same way, so that its faults reach no other scenario.
+    pub launcher: Option<ReferenceOptions>,
+    /// The server processes (and the database) the runner may kill, restart, stop and start:
+    /// present only on a deployment started for one fault-injecting scenario.
+    pub control: Option<Control>,
 }
 
 /// A second base URL serving the same deployment as the target, with the same principals'
@@ -352,6 +359,8 @@ impl Target {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             mcp: None,
             _server: None,
+            launcher: None,
+            control: None,
         })
     }
 
@@ -389,6 +398,8 @@ impl Target {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             mcp: None,
             _server: None,
+            launcher: None,
+            control: None,
         })
     }
 
@@ -438,7 +449,175 @@ impl Target {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             mcp: None,
             _server: Some(server),
+            launcher: Some(options.clone()),
+            control: None,
         })
+    }
+}
+
+impl Target {
+    /// Starts a deployment of its own for one fault-injecting scenario, the way this target
+    /// was started (`launcher`), with the same tokens and canary: its primary server process,
+    /// on PostgreSQL a peer on the same database, and with `database` a private PostgreSQL
+    /// cluster for its database, which the scenario may stop and start. `None` when the
+    /// runner did not start this target.
+    pub async fn start_controlled(&self, database: bool) -> Option<Result<Target, TargetError>> {
+        let launcher = self.launcher.as_ref()?;
+        Some(self.start_controlled_from(launcher, database).await)
+    }
+
+    async fn start_controlled_from(
+        &self,
+        launcher: &ReferenceOptions,
+        database: bool,
+    ) -> Result<Target, TargetError> {
+        let mut options = launcher.clone();
+        let cluster = if database {
+            let cluster = tokio::task::spawn_blocking(reference_server::testing::PgCluster::launch)
+                .await
+                .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?
+                .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?;
+            let cluster = std::sync::Arc::new(cluster);
+            options.database_url = Some(cluster.create_database("sandspec").await);
+            Some(cluster)
+        } else {
+            None
+        };
+        let primary = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
+        let client = build_client(None)?;
+        let capabilities = fetch_capabilities(&client, &primary.url, &self.tokens.owner).await?;
+        let base_url = primary.url.clone();
+        let mut servers = vec![primary];
+        let mut peer = None;
+        if options.database_url.is_some() {
+            let second = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
+            fetch_capabilities(&client, &second.url, &self.tokens.owner).await?;
+            peer = Some(Peer {
+                base_url: second.url.clone(),
+                _server: None,
+            });
+            servers.push(second);
+        }
+        let mut target = Target {
+            canary: self.canary.clone(),
+            base_url,
+            client,
+            tokens: self.tokens.clone(),
+            capabilities,
+            api: crate::profile::Api::V1,
+            envd_domain: self.envd_domain.clone(),
+            mcp: self.mcp.clone(),
+            ca: None,
+            peer,
+            wait_budget: self.wait_budget,
+            request_timeout: self.request_timeout,
+            _server: None,
+            launcher: None,
+            control: Some(Control {
+                servers: tokio::sync::Mutex::new(servers),
+                cluster,
+            }),
+        }
+        .speaking(self.api);
+        // What the run was told to assume or drop holds here too.
+        if self.api.has_capabilities_endpoint() {
+            target
+                .capabilities
+                .features
+                .clone_from(&self.capabilities.features);
+        } else {
+            target.capabilities = self.capabilities.clone();
+        }
+        Ok(target)
+    }
+}
+
+/// The processes of a deployment the runner started for one fault-injecting scenario, which
+/// its fault steps act on.
+pub struct Control {
+    /// The primary server process, then the peer's (on PostgreSQL). Dropped before the
+    /// cluster, so the servers stop while their database is still there.
+    servers: tokio::sync::Mutex<Vec<ReferenceServer>>,
+    /// The private PostgreSQL cluster holding the deployment's database (`database_control`).
+    cluster: Option<std::sync::Arc<reference_server::testing::PgCluster>>,
+}
+
+impl Control {
+    /// Whether the deployment's database is one the runner can stop and start.
+    pub fn has_database(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// SIGKILL to the primary server process, or to the peer's.
+    pub async fn kill_server(&self, peer: bool) -> Result<(), String> {
+        let mut servers = self.servers.lock().await;
+        let server = servers
+            .get_mut(usize::from(peer))
+            .ok_or("the deployment has no peer process")?;
+        server.kill().await
+    }
+
+    /// Starts the primary server process (or the peer's) again on its data directory,
+    /// database and port; `Ok(false)` when it is running (nothing to restart).
+    pub async fn restart_server(&self, peer: bool) -> Result<bool, String> {
+        let mut servers = self.servers.lock().await;
+        let server = servers
+            .get_mut(usize::from(peer))
+            .ok_or("the deployment has no peer process")?;
+        server.restart().await
+    }
+
+    /// Stops the database server abruptly (as an outage does); its data stays.
+    pub async fn stop_database(&self) -> Result<(), String> {
+        self.on_cluster(|c| c.stop()).await
+    }
+
+    /// Starts the database server again on the same port, and waits until it accepts
+    /// connections; nothing happens when it is running.
+    pub async fn start_database(&self) -> Result<(), String> {
+        self.on_cluster(|c| c.start()).await
+    }
+
+    async fn on_cluster(&self, f: fn(&reference_server::testing::PgCluster)) -> Result<(), String> {
+        let cluster = self
+            .cluster
+            .clone()
+            .ok_or("the runner controls no database of this deployment")?;
+        // `pg_ctl` blocks, and panics with its error output when it fails.
+        tokio::task::spawn_blocking(move || f(&cluster))
+            .await
+            .map_err(|e| match e.try_into_panic() {
+                Ok(panic) => panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_else(|| "pg_ctl failed".into()),
+                Err(e) => e.to_string(),
+            })
+    }
+}
+
+/// Why a scenario that requires `server_control` is skipped on a target the runner did not
+/// start.
+pub const NO_SERVER_CONTROL: &str = "the runner does not control the target's server processes: it kills and restarts only a reference server it starts itself (not a --target URL)";
+
+/// Why a scenario that requires `database_control` is skipped.
+pub const NO_DATABASE_CONTROL: &str = "the runner controls no database of the target: it stops and starts only a private PostgreSQL cluster it starts for a reference server on PostgreSQL (--database-url); SQLite has no database server to stop";
+
+impl Target {
+    /// Whether a scenario requiring `server_control` can run here (on this target, or on a
+    /// deployment of its own started like it).
+    pub fn server_controllable(&self) -> bool {
+        self.control.is_some() || self.launcher.is_some()
+    }
+
+    /// Whether a scenario requiring `database_control` can run here.
+    pub fn database_controllable(&self) -> bool {
+        self.control.as_ref().is_some_and(Control::has_database)
+            || self
+                .launcher
+                .as_ref()
+                .is_some_and(|l| l.database_url.is_some())
     }
 }
 
@@ -553,10 +732,13 @@ pub struct ReferenceServer {
     pub url: String,
     pub tokens: Tokens,
     /// Stopped on drop: SIGTERM first, so that the server ends its sandboxes' processes, then
-    /// SIGKILL (`kill_on_drop`) if it has not exited after a grace period.
-    child: tokio::process::Child,
-    /// Holds the config file and the SQLite data; removed on drop.
-    _dir: tempfile::TempDir,
+    /// SIGKILL (`kill_on_drop`) if it has not exited after a grace period. `None` after a
+    /// `kill_server` step, until `restart_server`.
+    child: Option<tokio::process::Child>,
+    /// How it was started, to start it again the same way after a kill.
+    options: ReferenceOptions,
+    /// Holds the config file and the SQLite data (kept across a restart); removed on drop.
+    dir: tempfile::TempDir,
 }
 
 impl ReferenceServer {
@@ -575,87 +757,149 @@ impl ReferenceServer {
         options: &ReferenceOptions,
         tokens: Tokens,
     ) -> Result<ReferenceServer, TargetError> {
-        let binary = options.binary.display().to_string();
-        let spawn_err = |reason: String| TargetError::Spawn {
-            binary: binary.clone(),
-            reason,
-        };
-        let dir =
-            tempfile::tempdir().map_err(|e| spawn_err(format!("temporary directory: {e}")))?;
-        let config_path = dir.path().join("serve.toml");
-        write_private(&config_path, &config_toml(&tokens))
-            .map_err(|e| spawn_err(format!("config file: {e}")))?;
-        let data_dir = dir.path().join("data");
-        let mut cmd = tokio::process::Command::new(&options.binary);
-        cmd.arg("serve")
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--data-dir")
-            .arg(&data_dir)
-            .arg("--enable-test-controls");
-        for defect in &options.defects {
-            cmd.arg("--defect").arg(defect);
-        }
-        if let Some(url) = &options.database_url {
-            cmd.arg("--database-url").arg(url);
-        }
-        if !options.serve_defaults {
-            cmd.args(REFERENCE_FAST_SETTINGS);
-        }
-        cmd.args(&options.extra_args);
-        // Its own process group: a Ctrl-C at the terminal reaches the runner, which finishes
-        // the running scenarios against a server that is still there.
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let stderr = child.stderr.take().expect("stderr is piped");
-        // Keep the server's log available for failure messages without letting the pipe fill.
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-        let log_writer = log.clone();
-        tokio::spawn(async move {
-            let mut lines = tokio::io::BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let mut log = log_writer.lock().expect("log lock");
-                if log.len() < 200 {
-                    log.push(line);
-                }
-            }
-        });
-        let mut lines = tokio::io::BufReader::new(stdout).lines();
-        let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await;
-        let url = match first {
-            Ok(Ok(Some(line))) => match line.strip_prefix("listening on ") {
-                Some(url) => url.trim().to_owned(),
-                None => {
-                    return Err(spawn_err(format!(
-                        "unexpected first line on stdout: {line:?}"
-                    )));
-                }
-            },
-            Ok(Ok(None)) | Ok(Err(_)) => {
-                let _ = tokio::time::timeout(Duration::from_secs(2), child.wait()).await;
-                let tail = log.lock().expect("log lock").join("\n");
-                return Err(spawn_err(format!(
-                    "exited before listening; its log:\n{tail}"
-                )));
-            }
-            Err(_) => return Err(spawn_err("no `listening on` line within 30 s".into())),
-        };
-        // Drain the rest of stdout so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let dir = tempfile::tempdir()
+            .map_err(|e| spawn_error(options, format!("temporary directory: {e}")))?;
+        write_private(&dir.path().join("serve.toml"), &config_toml(&tokens))
+            .map_err(|e| spawn_error(options, format!("config file: {e}")))?;
+        let (child, url) = spawn_serve(options, dir.path(), "127.0.0.1:0").await?;
         Ok(ReferenceServer {
             url,
             tokens,
-            child,
-            _dir: dir,
+            child: Some(child),
+            options: options.clone(),
+            dir,
         })
     }
+
+    /// Sends SIGKILL to the server process (nothing of it runs its shutdown: its sandbox
+    /// processes stay as a crash leaves them) and waits until it is gone.
+    pub async fn kill(&mut self) -> Result<(), String> {
+        let Some(mut child) = self.child.take() else {
+            return Err("the server is not running".into());
+        };
+        child
+            .start_kill()
+            .map_err(|e| format!("cannot send SIGKILL: {e}"))?;
+        child
+            .wait()
+            .await
+            .map_err(|e| format!("cannot wait for the killed server: {e}"))?;
+        Ok(())
+    }
+
+    /// Starts the server again on the same data directory, database, tokens and port (its
+    /// URL does not change). A server that is running is left alone: `Ok(false)`.
+    pub async fn restart(&mut self) -> Result<bool, String> {
+        if self.child.is_some() {
+            return Ok(false);
+        }
+        let listen = self
+            .url
+            .strip_prefix("http://")
+            .or_else(|| self.url.strip_prefix("https://"))
+            .unwrap_or(&self.url)
+            .to_owned();
+        // The port was just freed; another process could take it in between, so a few tries.
+        let mut last = String::new();
+        for _ in 0..5 {
+            match spawn_serve(&self.options, self.dir.path(), &listen).await {
+                Ok((child, url)) if url == self.url => {
+                    self.child = Some(child);
+                    return Ok(true);
+                }
+                Ok((_, url)) => return Err(format!("restarted on {url}, not {}", self.url)),
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(last)
+    }
+
+    /// Whether the server process is running (it was not killed, or was restarted since).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+fn spawn_error(options: &ReferenceOptions, reason: String) -> TargetError {
+    TargetError::Spawn {
+        binary: options.binary.display().to_string(),
+        reason,
+    }
+}
+
+/// Starts `sandspec serve` on `listen` with the config file and data directory in `dir`,
+/// and reads the URL it listens on.
+async fn spawn_serve(
+    options: &ReferenceOptions,
+    dir: &Path,
+    listen: &str,
+) -> Result<(tokio::process::Child, String), TargetError> {
+    let spawn_err = |reason: String| spawn_error(options, reason);
+    let mut cmd = tokio::process::Command::new(&options.binary);
+    cmd.arg("serve")
+        .arg("--listen")
+        .arg(listen)
+        .arg("--config")
+        .arg(dir.join("serve.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--enable-test-controls");
+    for defect in &options.defects {
+        cmd.arg("--defect").arg(defect);
+    }
+    if let Some(url) = &options.database_url {
+        cmd.arg("--database-url").arg(url);
+    }
+    if !options.serve_defaults {
+        cmd.args(REFERENCE_FAST_SETTINGS);
+    }
+    cmd.args(&options.extra_args);
+    // Its own process group: a Ctrl-C at the terminal reaches the runner, which finishes
+    // the running scenarios against a server that is still there.
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let stderr = child.stderr.take().expect("stderr is piped");
+    // Keep the server's log available for failure messages without letting the pipe fill.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log_writer = log.clone();
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let mut log = log_writer.lock().expect("log lock");
+            if log.len() < 200 {
+                log.push(line);
+            }
+        }
+    });
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await;
+    let url = match first {
+        Ok(Ok(Some(line))) => match line.strip_prefix("listening on ") {
+            Some(url) => url.trim().to_owned(),
+            None => {
+                return Err(spawn_err(format!(
+                    "unexpected first line on stdout: {line:?}"
+                )));
+            }
+        },
+        Ok(Ok(None)) | Ok(Err(_)) => {
+            let _ = tokio::time::timeout(Duration::from_secs(2), child.wait()).await;
+            let tail = log.lock().expect("log lock").join("\n");
+            return Err(spawn_err(format!(
+                "exited before listening; its log:\n{tail}"
+            )));
+        }
+        Err(_) => return Err(spawn_err("no `listening on` line within 30 s".into())),
+    };
+    // Drain the rest of stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, url))
 }
 
 /// The `--config` file: principals and the admin token. The principal names are fixed
@@ -692,7 +936,8 @@ pub fn random_token() -> String {
 impl Drop for ReferenceServer {
     fn drop(&mut self) {
         const GRACE: std::time::Duration = std::time::Duration::from_secs(10);
-        let Some(pid) = self.child.id() else { return };
+        let Some(child) = &mut self.child else { return };
+        let Some(pid) = child.id() else { return };
         let Ok(pid) = i32::try_from(pid) else { return };
         // SAFETY: kill(2) on our own child's pid, which has not been reaped (we still hold it).
         if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
@@ -700,7 +945,7 @@ impl Drop for ReferenceServer {
         }
         let deadline = std::time::Instant::now() + GRACE;
         while std::time::Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
+            if matches!(child.try_wait(), Ok(Some(_))) {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));

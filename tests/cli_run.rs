@@ -568,6 +568,7 @@ async fn a_peer_scenario_skips_without_a_peer() {
     for file in [
         "lifecycle/create-get-list-kill.yaml",
         "faults/two-processes-one-database.yaml",
+        "faults/database-outage-503.yaml",
     ] {
         let to = catalog.join(file);
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -649,8 +650,8 @@ async fn a_peer_scenario_skips_without_a_peer() {
     );
 }
 
-/// The reference target on SQLite has no peer: a scenario that needs one is left out as not
-/// applicable, said on stderr and recorded with its reason in the receipt and the summary,
+/// The reference target on SQLite has no peer and no database server: a scenario that needs
+/// one (or stops the database) is left out as not applicable, said on stderr and recorded with its reason in the receipt and the summary,
 /// never counted as passed or skipped; the rest of the run is judged as usual.
 #[test]
 fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
@@ -660,6 +661,7 @@ fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
     for file in [
         "lifecycle/create-get-list-kill.yaml",
         "faults/two-processes-one-database.yaml",
+        "faults/database-outage-503.yaml",
     ] {
         let to = catalog.join(file);
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -684,13 +686,24 @@ fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
     let receipt: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
     let p = &receipt["predicate"];
-    assert_eq!(p["selection"]["not_applicable"][0]["id"], "FLT-PEER-001");
-    assert!(
-        p["selection"]["not_applicable"][0]["reason"]
+    let not_applicable = p["selection"]["not_applicable"].as_array().unwrap();
+    let reason = |id: &str| {
+        not_applicable
+            .iter()
+            .find(|n| n["id"] == id)
+            .unwrap_or_else(|| panic!("{id} is not applicable: {not_applicable:?}"))["reason"]
             .as_str()
             .unwrap()
-            .contains("needs a peer")
+            .to_owned()
+    };
+    assert_eq!(not_applicable.len(), 2, "{not_applicable:?}");
+    assert!(reason("FLT-PEER-001").contains("needs a peer"));
+    // SQLite has no database server to stop.
+    assert!(
+        stderr.contains("not applicable: FLT-PG-001 stops and starts the database"),
+        "{stderr}"
     );
+    assert!(reason("FLT-PG-001").contains("only on PostgreSQL"));
     let ran: Vec<&str> = p["scenarios"]
         .as_array()
         .unwrap()

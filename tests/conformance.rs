@@ -13,7 +13,12 @@
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
 //! reported ignored with the skip's reason, and its defect trials run on PostgreSQL (ignored
-//! like the `postgres::` trials when PostgreSQL is not installed).
+//! like the `postgres::` trials when PostgreSQL is not installed). So do those of a scenario
+//! that requires `database_control`, whose database server only PostgreSQL has.
+//!
+//! A scenario that injects faults (`server_control`, `database_control`) runs on a deployment
+//! the engine starts for it alone, like the shared server but with its own processes (and its
+//! own PostgreSQL cluster for `database_control`), so no other trial sees the faults.
 //!
 //! Clean servers are started once per process and shared, one per store. Each negative control
 //! gets a server of its own with its defect, so what another scenario left behind cannot make
@@ -325,9 +330,14 @@ fn main() {
                     api,
                 ));
             }
-            let needs_peer = s.scenario.requires.iter().any(|r| r.value == "peer");
+            // A peer, or a database server to stop, exists only on PostgreSQL.
+            let needs_postgres = s
+                .scenario
+                .requires
+                .iter()
+                .any(|r| r.value == "peer" || r.value == "database_control");
             for control in &s.scenario.defects {
-                trials.push(must_fail(s.clone(), control.clone(), needs_peer, api));
+                trials.push(must_fail(s.clone(), control.clone(), needs_postgres, api));
             }
         }
     }

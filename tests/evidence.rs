@@ -118,6 +118,7 @@ fn scenario(
         attempts: 1,
         measurements: BTreeMap::new(),
         swept: vec![],
+        faults: vec![],
         transcript,
     }
 }

@@ -148,6 +148,15 @@ pub enum Defect {
     SignalNameUnchecked,
     /// Output beyond the limit is dropped, but the output says `truncated: false`.
     TruncationUnreported,
+    /// A server started again after a crash leaves the dead server's sandbox processes
+    /// running, unowned, and their records `running`.
+    RestartLeavesProcesses,
+    /// While the store is unreachable, requests are answered 500 `internal` without
+    /// `Retry-After` instead of 503 `unavailable`.
+    StoreOutageIs500,
+    /// A session whose home process died is never taken over by another process: its running
+    /// turn stays `running` for ever.
+    DeadHomeNeverTakenOver,
     // The E2B surface (crate::e2b).
     /// E2B control plane: another team's sandbox is answered 403 instead of 404.
     E2bForeignSandbox403,
@@ -248,6 +257,9 @@ impl Defect {
         Defect::StdinEofIgnored,
         Defect::SignalNameUnchecked,
         Defect::TruncationUnreported,
+        Defect::RestartLeavesProcesses,
+        Defect::StoreOutageIs500,
+        Defect::DeadHomeNeverTakenOver,
         Defect::E2bForeignSandbox403,
         Defect::E2bTimeoutOnlyExtends,
         Defect::E2bConnectDoesNotResume,
@@ -330,6 +342,9 @@ impl Defect {
             Defect::StdinEofIgnored => "stdin-eof-ignored",
             Defect::SignalNameUnchecked => "signal-name-unchecked",
             Defect::TruncationUnreported => "truncation-unreported",
+            Defect::RestartLeavesProcesses => "restart-leaves-processes",
+            Defect::StoreOutageIs500 => "store-outage-is-500",
+            Defect::DeadHomeNeverTakenOver => "dead-home-never-taken-over",
             Defect::E2bForeignSandbox403 => "e2b-foreign-sandbox-403",
             Defect::E2bTimeoutOnlyExtends => "e2b-timeout-only-extends",
             Defect::E2bConnectDoesNotResume => "e2b-connect-does-not-resume",
@@ -439,6 +454,11 @@ impl Defect {
             Defect::StdinEofIgnored => "stdin eof is answered but stdin stays open",
             Defect::SignalNameUnchecked => "an unknown signal name is sent as TERM",
             Defect::TruncationUnreported => "dropped output is not reported as truncated",
+            Defect::RestartLeavesProcesses => {
+                "after a crash, the dead server's sandbox processes run on, unowned"
+            }
+            Defect::StoreOutageIs500 => "an unreachable store is answered 500 without Retry-After",
+            Defect::DeadHomeNeverTakenOver => "a dead home process's sessions are never taken over",
             Defect::E2bForeignSandbox403 => "E2B: another team's sandbox is answered 403, not 404",
             Defect::E2bTimeoutOnlyExtends => "E2B: a timeout call can extend but never shorten",
             Defect::E2bConnectDoesNotResume => {

@@ -79,6 +79,15 @@ impl Server {
         };
         let providers =
             Providers::new(&config, log.clone()).context("failed to set up the providers")?;
+        // A server process that died without shutting down (a crash, SIGKILL) left its
+        // sandbox processes running: this one, on the same data directory, ends them and
+        // records their end before it accepts a request.
+        for provider in providers.iter() {
+            let ended = provider.end_leftovers().await;
+            if ended > 0 {
+                tracing::warn!(provider = %provider.name(), ended, "ended processes left by a server that did not shut down");
+            }
+        }
         let state = AppState::new(
             config,
             store,

@@ -90,6 +90,37 @@ pub(super) struct Ctx<'a> {
     /// The MCP server processes of the run by session name (MCP profile); the steps end
     /// them, and whatever a failed step left running is ended before the cleanup.
     pub(super) mcp_sessions: BTreeMap<String, super::steps::McpSession>,
+    /// The faults the scenario injected, each with the steps that passed after it.
+    pub(super) faults: Vec<FaultRecord>,
+}
+
+/// One injected fault as the receipt records it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRecord {
+    /// The step that injected it (its label).
+    pub step: String,
+    /// `kill_server`, `restart_server`, `stop_database` or `start_database`.
+    pub kind: String,
+    /// What it acted on: `primary`, `peer` or `database`.
+    pub on: String,
+    /// Milliseconds from the scenario's start to the fault.
+    pub at_ms: u64,
+    /// How long injecting it took (a restart until the server listened again).
+    pub took_ms: u64,
+    /// The steps that passed after it and before the next fault: what was checked after it.
+    pub checked_after: Vec<String>,
+}
+
+impl Ctx<'_> {
+    /// Records that `label` passed: after a fault, it is part of what was checked after it.
+    pub(super) fn passed(&mut self, label: &str) {
+        if let Some(last) = self.faults.last_mut()
+            && last.step != label
+        {
+            last.checked_after.push(label.to_owned());
+        }
+    }
 }
 
 /// A request ready to send.

@@ -11,7 +11,7 @@ mod transcript;
 mod vars;
 pub mod waits;
 
-pub use context::CANARY_HEADER;
+pub use context::{CANARY_HEADER, FaultRecord};
 pub use ledger::{LEAK_CHECK, Leftover};
 pub use outcome::Outcome;
 pub use run::{ScenarioRun, run_scenario, run_with_retries, skip_reason};

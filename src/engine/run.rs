@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::context::{Ctx, StepError, ms};
+use super::context::{Ctx, FaultRecord, StepError, ms};
 use super::ledger::Leftover;
 use super::outcome::Outcome;
 use super::steps;
@@ -42,6 +42,8 @@ pub struct ScenarioRun {
     pub swept: Vec<Leftover>,
     pub transcript: Vec<Entry>,
     pub attempts: u32,
+    /// The faults the scenario injected, with what was checked after each.
+    pub faults: Vec<FaultRecord>,
     /// Values of captures marked `secret: true`, for the sanitizer. Never serialized.
     #[serde(skip)]
     pub secrets: Vec<String>,
@@ -84,11 +86,37 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         swept: Vec::new(),
         transcript: Vec::new(),
         attempts: 1,
+        faults: Vec::new(),
         secrets: Vec::new(),
     };
     if let Some(reason) = skip_reason(target, scenario) {
         run.outcome = Outcome::Skip { reason };
         return run;
+    }
+    // A scenario that injects faults gets a deployment of its own, so that no other scenario
+    // sees its server die or its database stop.
+    let server_control = requires(scenario, "server_control");
+    let database_control = requires(scenario, "database_control");
+    if (server_control || database_control) && target.control.is_none() {
+        return match target.start_controlled(database_control).await {
+            Some(Ok(own)) => {
+                let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;
+                run.duration_ms = ms(started.elapsed());
+                run
+            }
+            Some(Err(e)) => {
+                run.outcome = Outcome::Error {
+                    reason: format!("cannot start a deployment for the scenario's faults: {e}"),
+                };
+                run
+            }
+            None => {
+                run.outcome = Outcome::Skip {
+                    reason: crate::target::NO_SERVER_CONTROL.into(),
+                };
+                run
+            }
+        };
     }
     let mut ctx = Ctx {
         target,
@@ -104,6 +132,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         secrets: Vec::new(),
         expiry_held: false,
         mcp_sessions: BTreeMap::new(),
+        faults: Vec::new(),
     };
     // The steps, then the cleanup, each within a deadline derived from what they declare
     // they wait for: a target that stops answering cannot hold a scenario for longer.
@@ -116,6 +145,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
             if let Err(e) = steps::run(step, &mut ctx, &label).await {
                 return e.into_outcome(label);
             }
+            ctx.passed(&label);
         }
         Outcome::Pass
     };
@@ -175,7 +205,12 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     run.swept = ctx.leftovers;
     run.transcript = ctx.transcript;
     run.secrets = ctx.secrets;
+    run.faults = ctx.faults;
     run
+}
+
+fn requires(scenario: &Scenario, capability: &str) -> bool {
+    scenario.requires.iter().any(|r| r.value == capability)
 }
 /// Why a scenario cannot run against this target, if it cannot: a requirement the target
 /// does not meet, or advertised waits over the run's wait budget.
@@ -186,7 +221,13 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             "admin_token" if target.tokens.admin.is_none() => {
                 return Some("no admin token (--admin-token-env)".into());
             }
-            "peer" | "admin_token" => continue,
+            "server_control" if !target.server_controllable() => {
+                return Some(crate::target::NO_SERVER_CONTROL.to_owned());
+            }
+            "database_control" if !target.database_controllable() => {
+                return Some(crate::target::NO_DATABASE_CONTROL.to_owned());
+            }
+            "peer" | "admin_token" | "server_control" | "database_control" => continue,
             _ => {}
         }
         if !target.capabilities.has(&cap.value) {

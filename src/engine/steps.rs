@@ -16,6 +16,7 @@ use crate::scenario::{Expect, Step};
 mod absent;
 mod connect;
 mod digest;
+mod fault;
 mod mcp;
 mod parallel;
 mod poll;
@@ -70,6 +71,22 @@ macro_rules! dispatch {
             Step::Absent($k) => $body,
             Step::Connect($k) => $body,
             Step::Mcp($k) => $body,
+            Step::KillServer(f) => {
+                let $k = &fault::Inject(fault::FaultKind::KillServer, &f.value);
+                $body
+            }
+            Step::RestartServer(f) => {
+                let $k = &fault::Inject(fault::FaultKind::RestartServer, &f.value);
+                $body
+            }
+            Step::StopDatabase(f) => {
+                let $k = &fault::Inject(fault::FaultKind::StopDatabase, &f.value);
+                $body
+            }
+            Step::StartDatabase(f) => {
+                let $k = &fault::Inject(fault::FaultKind::StartDatabase, &f.value);
+                $body
+            }
         }
     };
 }

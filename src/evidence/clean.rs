@@ -113,6 +113,18 @@ impl<'a> Cleaner<'a> {
                 .map(|(k, v)| (self.s(k), *v))
                 .collect(),
             swept: s.swept.iter().map(|l| self.leftover(l)).collect(),
+            faults: s
+                .faults
+                .iter()
+                .map(|f| crate::engine::FaultRecord {
+                    step: self.s(&f.step),
+                    kind: f.kind.clone(),
+                    on: f.on.clone(),
+                    at_ms: f.at_ms,
+                    took_ms: f.took_ms,
+                    checked_after: self.all(&f.checked_after),
+                })
+                .collect(),
             transcript: s.transcript.iter().map(|e| self.entry(&s.id, e)).collect(),
         }
     }

@@ -249,6 +249,9 @@ pub struct ScenarioResult {
     pub attempts: u32,
     /// Named measurements in seconds.
     pub measurements: BTreeMap<String, f64>,
+    /// The faults the scenario injected (server processes killed and restarted, the
+    /// database stopped and started), each with its time and the steps checked after it.
+    pub faults: Vec<crate::engine::FaultRecord>,
     /// The transcript file and its digest; `null` when nothing was sent (a skip).
     pub transcript: Option<FileRef>,
 }
@@ -674,6 +677,7 @@ fn scenario_result(s: &ScenarioReport, transcript: Option<FileRef>) -> ScenarioR
             .filter(|(_, v)| v.is_finite())
             .map(|(k, v)| (k.clone(), *v))
             .collect(),
+        faults: s.faults.clone(),
         transcript,
     }
 }

@@ -382,6 +382,7 @@ mod tests {
             attempts: 1,
             measurements: BTreeMap::new(),
             swept: vec![],
+            faults: vec![],
             transcript: vec![Entry::Http(HttpExchange {
                 step: "steps[0] GET /v1/x".into(),
                 at_ms: 0,

@@ -209,6 +209,14 @@ pub enum Step {
     Absent(Absent),
     Connect(Connect),
     Mcp(Mcp),
+    /// SIGKILL to a server process of a deployment the runner controls.
+    KillServer(Located<Fault>),
+    /// Starts a server process again on its data directory, database and port.
+    RestartServer(Located<Fault>),
+    /// Stops the deployment's database server abruptly.
+    StopDatabase(Located<Fault>),
+    /// Starts the deployment's database server again.
+    StartDatabase(Located<Fault>),
 }
 
 impl Step {
@@ -239,6 +247,10 @@ impl Step {
                 .name
                 .clone()
                 .unwrap_or_else(|| format!("mcp {} ({})", m.action.name(), m.session)),
+            Step::KillServer(f) | Step::RestartServer(f) => {
+                let name = f.value.name.as_deref().unwrap_or(self.kind());
+                format!("{name}{}", via(f.value.via))
+            }
             other => other.name().unwrap_or(other.kind()).to_owned(),
         }
     }
@@ -251,6 +263,10 @@ impl Step {
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
+            Step::KillServer(f)
+            | Step::RestartServer(f)
+            | Step::StopDatabase(f)
+            | Step::StartDatabase(f) => f.value.name.as_deref(),
             Step::Request(_)
             | Step::Poll(_)
             | Step::Sse(_)
@@ -274,6 +290,10 @@ impl Step {
             Step::Absent(_) => "absent",
             Step::Connect(_) => "connect",
             Step::Mcp(_) => "mcp",
+            Step::KillServer(_) => "kill_server",
+            Step::RestartServer(_) => "restart_server",
+            Step::StopDatabase(_) => "stop_database",
+            Step::StartDatabase(_) => "start_database",
         }
     }
 }
@@ -673,6 +693,18 @@ pub struct Tally {
     /// 429).
     #[serde(default)]
     pub headers: Vec<HeaderCheck>,
+}
+
+/// A fault the runner injects into a deployment it started (`kill_server`, `restart_server`,
+/// `stop_database`, `start_database`): written `- kill_server: {}`, or with a name, or
+/// `via: peer` for the peer's server process.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    pub name: Option<String>,
+    /// Which server process; the database steps take none.
+    #[serde(default)]
+    pub via: Via,
 }
 
 /// A bounded pause. Prefer `poll`.

@@ -36,7 +36,9 @@ pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s"
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
 /// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
-/// endpoint, the test-controls admin token).
+/// endpoint, the test-controls admin token); `server_control` and `database_control` are
+/// what the runner itself started and may therefore kill, restart, stop and start (the
+/// reference server's processes, the private PostgreSQL cluster of its database).
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
@@ -48,6 +50,8 @@ pub const CAPABILITIES: &[&str] = &[
     "two_providers",
     "peer",
     "admin_token",
+    "server_control",
+    "database_control",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the
@@ -589,6 +593,29 @@ impl Checker<'_> {
                 }
             }
             Step::Mcp(m) => self.mcp(m, scope, ctx),
+            Step::KillServer(f) | Step::RestartServer(f) => {
+                if !ctx.requires.contains("server_control") {
+                    self.err(
+                        Pos::of(f),
+                        format!("`{}` needs `requires: [server_control]`", step.kind()),
+                    );
+                }
+                self.via(f.value.via, Pos::of(f), ctx);
+            }
+            Step::StopDatabase(f) | Step::StartDatabase(f) => {
+                if !ctx.requires.contains("database_control") {
+                    self.err(
+                        Pos::of(f),
+                        format!("`{}` needs `requires: [database_control]`", step.kind()),
+                    );
+                }
+                if f.value.via == Via::Peer {
+                    self.err(
+                        Pos::of(f),
+                        format!("`{}` acts on the database: it takes no `via`", step.kind()),
+                    );
+                }
+            }
             Step::Connect(c) => {
                 self.template(&c.sandbox, scope, ctx);
                 if let Some(t) = &c.access_token {

@@ -517,7 +517,7 @@ fn what_goes_beyond_the_contract_must_be_declared() {
     );
     check_err(
         &header("requires: [teleport]\nsteps:\n  - request: {method: GET, path: /v1/x}\n"),
-        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token)",
+        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control)",
     );
     // Declared, they parse; an empty model names no script (a validation check).
     let text = header(
@@ -613,5 +613,45 @@ fn connect_until_needs_a_stream_and_no_expected_error() {
             "  - connect: {sandbox: x, rpc: process.Process/Start, stream: true, until: [{pointer: /a, equals: \"{{nope}}\"}]}\n",
         ),
         "bad.yaml:6:99: unknown variable `nope`",
+    );
+}
+
+#[test]
+fn fault_steps_parse_with_labels_and_need_their_control() {
+    let text = header(
+        "requires: [server_control, database_control, peer]\nsteps:\n  - kill_server: {}\n  - restart_server: {name: back again}\n  - kill_server: {via: peer}\n  - stop_database: {}\n  - start_database: {name: db back}\n",
+    );
+    let s = parse_str(Path::new("good.yaml"), &text).unwrap();
+    let labels: Vec<String> = s.steps.iter().map(Step::label).collect();
+    assert_eq!(
+        labels,
+        [
+            "kill_server",
+            "back again",
+            "kill_server (via peer)",
+            "stop_database",
+            "db back"
+        ]
+    );
+    // Without the capability, a fault step is refused where it is written.
+    check_err(
+        &header("steps:\n  - kill_server: {}\n"),
+        "bad.yaml:6:18: `kill_server` needs `requires: [server_control]`",
+    );
+    check_err(
+        &header("requires: [server_control]\nsteps:\n  - stop_database: {}\n"),
+        "bad.yaml:7:20: `stop_database` needs `requires: [database_control]`",
+    );
+    check_err(
+        &header("requires: [database_control, peer]\nsteps:\n  - start_database: {via: peer}\n"),
+        "bad.yaml:7:21: `start_database` acts on the database: it takes no `via`",
+    );
+    check_err(
+        &header("requires: [server_control]\nsteps:\n  - restart_server: {via: peer}\n"),
+        "bad.yaml:7:21: `via: peer` needs `requires: [peer]`",
+    );
+    check_err(
+        &header("requires: [server_control]\nsteps:\n  - kill_server: {signal: TERM}\n"),
+        "bad.yaml:7:",
     );
 }

@@ -12,6 +12,10 @@ use super::state::AppState;
 use super::{files, meta, previews, processes, request_id, sandboxes, snapshots};
 
 pub fn router(state: AppState) -> Router {
+    let outage_is_500 = state
+        .config
+        .defects
+        .has(crate::defects::Defect::StoreOutageIs500);
     let v1 = Router::new()
         .route("/health", get(meta::health))
         .route("/capabilities", get(meta::capabilities))
@@ -62,7 +66,7 @@ pub fn router(state: AppState) -> Router {
             "/test/providers/{name}/next_local_id",
             post(meta::next_local_id),
         );
-    Router::new()
+    let router = Router::new()
         .nest("/v1", v1)
         .route("/previews/{id}", any(previews::proxy_root))
         .route("/previews/{id}/", any(previews::proxy_root))
@@ -75,7 +79,26 @@ pub fn router(state: AppState) -> Router {
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::internal("a handler panicked").into_response()
         }))
-        .layer(middleware::from_fn(request_id::middleware))
+        .layer(middleware::from_fn(request_id::middleware));
+    if outage_is_500 {
+        router.layer(middleware::map_response(store_outage_is_500))
+    } else {
+        router
+    }
+}
+
+/// The `store-outage-is-500` defect: a 503 of an unreachable store goes out as a 500 without
+/// `Retry-After`, as a server that does not tell an outage from a bug answers.
+async fn store_outage_is_500(response: Response) -> Response {
+    if response.status() != axum::http::StatusCode::SERVICE_UNAVAILABLE {
+        return response;
+    }
+    let mut response = response;
+    response
+        .headers_mut()
+        .remove(axum::http::header::RETRY_AFTER);
+    *response.status_mut() = axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+    response
 }
 
 async fn not_found() -> Response {

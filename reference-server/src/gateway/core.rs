@@ -167,6 +167,15 @@ impl Gateway {
         if home == self.instance() {
             return Ok(true);
         }
+        if self
+            .state
+            .config
+            .defects
+            .has(Defect::DeadHomeNeverTakenOver)
+        {
+            // The bug: another process's session is never this one's, dead home or not.
+            return Ok(false);
+        }
         let cached = lock(&self.peers)
             .get(home)
             .filter(|p| p.checked.elapsed() < PEER_CHECK_EVERY)

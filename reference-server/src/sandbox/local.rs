@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use crate::config::{Config, ProviderConfig};
 use crate::defects::{Defect, Defects};
-use crate::domain::{IdKind, LocalId, ProcessSpec, Resources, new_local_id};
-use crate::store::Record;
+use crate::domain::{IdKind, LocalId, ProcessSpec, ProcessState, Resources, new_local_id};
+use crate::store::{Kind, Record, Scope};
 use crate::stream::EventLog;
 
 use super::cgroup::{Cgroups, SandboxCgroup};
@@ -469,6 +469,10 @@ impl LocalProvider {
             log: self.log.clone(),
             max_output_bytes: self.max_output_bytes,
             output_retention: self.output_retention,
+            pid_file: self
+                .sandbox_dir(sandbox_local)?
+                .join("procs")
+                .join(checked_local(&record.id.replace(':', "_"))?),
         };
         let handle = {
             let mut inner = lock(&runtime.inner);
@@ -542,6 +546,46 @@ impl LocalProvider {
         }
         lock(&self.processes).clear();
         self.cgroups.remove_provider_dirs();
+    }
+
+    /// Ends the process groups that a server process which died without shutting down (a
+    /// crash, SIGKILL) left running in this provider's sandboxes, and records their end.
+    /// Called once at startup, before the server accepts requests; returns how many groups
+    /// were still running.
+    pub async fn end_leftovers(&self) -> usize {
+        if self.defects.has(Defect::RestartLeavesProcesses) {
+            // The bug: processes of the dead server run on, unowned, and stay `running`.
+            return 0;
+        }
+        let Ok(sandboxes) = std::fs::read_dir(self.base.join("sandboxes")) else {
+            return 0;
+        };
+        let mut ended = 0;
+        for sandbox in sandboxes.flatten() {
+            let Ok(files) = std::fs::read_dir(sandbox.path().join("procs")) else {
+                continue;
+            };
+            for file in files.flatten() {
+                let (running, record_id) = process::end_leftover(&file.path());
+                ended += usize::from(running);
+                let Some(id) = record_id else { continue };
+                match self
+                    .log
+                    .store()
+                    .get(Kind::Process, Scope::System, &id)
+                    .await
+                {
+                    Ok(Some(rec)) if rec.state == ProcessState::Running.as_str() => {
+                        process::record_lost(&self.log, &rec, self.output_retention).await;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(process = %id, error = %e, "could not record a leftover process's end")
+                    }
+                }
+            }
+        }
+        ended
     }
 
     /// The in-memory side of a sandbox, adopting one created before a restart.

@@ -48,6 +48,9 @@ pub(super) struct Launch {
     pub(super) log: EventLog,
     pub(super) max_output_bytes: u64,
     pub(super) output_retention: Duration,
+    /// Where the running process's group is written down (`<sandbox>/procs/<record id>`),
+    /// so that a server that starts again after a crash finds and ends it.
+    pub(super) pid_file: PathBuf,
 }
 
 /// A live (or recently ended) process, kept in memory by its provider.
@@ -223,6 +226,14 @@ pub(super) fn spawn(
         .id()
         .and_then(|p| i32::try_from(p).ok())
         .ok_or_else(|| io::Error::other("no pid"))?;
+    // Written before anything else can fail: a group the server loses track of must be
+    // findable after a crash. Its start time tells it apart from a later one with the
+    // same number.
+    if let Err(e) = write_pid_file(&launch.pid_file, pgid, &record.id) {
+        let _ = kill_group(pgid, libc::SIGKILL);
+        return Err(ProviderError::Io(e));
+    }
+    let pid_file = launch.pid_file.clone();
     let stdout = child
         .stdout
         .take()
@@ -248,9 +259,73 @@ pub(super) fn spawn(
     };
     tokio::spawn(async move {
         supervisor.run(child, stdout, stderr).await;
+        // The exit is recorded: nothing is left for a restarted server to end.
+        let _ = std::fs::remove_file(&pid_file);
         let _ = done_tx.send(true);
     });
     Ok(handle)
+}
+
+/// Writes `<pgid> <start time> <record id>` to `path` (creating its directory).
+fn write_pid_file(path: &std::path::Path, pgid: i32, record_id: &str) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let started = start_time(pgid).unwrap_or(0);
+    std::fs::write(path, format!("{pgid} {started} {record_id}\n"))
+}
+
+/// The start time of process `pid` in clock ticks since boot (field 22 of
+/// `/proc/<pid>/stat`), or `None` when there is no such process.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count from after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Ends the process group a pid file names, if that group's leader is still the process
+/// that was started (same start time), and removes the file. Returns whether it was running,
+/// and the process's record ID.
+pub(super) fn end_leftover(path: &std::path::Path) -> (bool, Option<String>) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut words = text.split_whitespace();
+    let (pgid, started) = (words.next(), words.next());
+    let record_id = words.next().map(str::to_owned);
+    let running = match (pgid.map(str::parse::<u64>), started.map(str::parse::<u64>)) {
+        (Some(Ok(pgid)), Some(Ok(started))) => i32::try_from(pgid).is_ok_and(|pgid| {
+            let same = start_time(pgid) == Some(started);
+            if same {
+                let _ = kill_group(pgid, libc::SIGKILL);
+            }
+            same
+        }),
+        _ => false,
+    };
+    let _ = std::fs::remove_file(path);
+    (running, record_id)
+}
+
+/// Records that a process a crashed server started has been ended by the server that started
+/// after it: `killed` by `KILL`, like any process killed with SIGKILL, then its `exit` event.
+pub(super) async fn record_lost(log: &EventLog, record: &Record, retention: Duration) {
+    let capture = Capture {
+        log: log.clone(),
+        stream: process_stream(&record.id),
+        record: record.clone(),
+        remaining: AtomicU64::new(0),
+        truncated: AtomicBool::new(
+            record.body.get("truncated").and_then(Value::as_bool) == Some(true),
+        ),
+        retention,
+    };
+    record_exit(
+        &capture,
+        ProcessState::Killed,
+        None,
+        Some(signal_name(libc::SIGKILL)),
+    )
+    .await;
 }
 
 /// Moves the calling process into the cgroup whose `cgroup.procs` is `path` (`0` = itself).
@@ -569,5 +644,40 @@ mod tests {
         assert_eq!(signal_name(libc::SIGKILL), "KILL");
         assert_eq!(signal_name(libc::SIGINT), "INT");
         assert_eq!(signal_name(64), "SIG64");
+    }
+
+    /// A group written down and still running is killed; a file whose start time does not
+    /// match (the PID now belongs to another process) kills nothing; both files go.
+    #[test]
+    fn leftover_groups_are_ended_only_when_they_are_the_same_process() {
+        use std::os::unix::process::CommandExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = i32::try_from(child.id()).unwrap();
+        let live = dir.path().join("procs").join("local_prc_a");
+        write_pid_file(&live, pgid, "local:prc_a").unwrap();
+        let stale = dir.path().join("procs").join("local_prc_b");
+        std::fs::write(&stale, format!("{pgid} 1 local:prc_b\n")).unwrap();
+
+        assert_eq!(end_leftover(&stale), (false, Some("local:prc_b".into())));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "a mismatched file kills nothing"
+        );
+        assert!(!stale.exists());
+
+        assert_eq!(end_leftover(&live), (true, Some("local:prc_a".into())));
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        assert!(!live.exists());
+        assert_eq!(
+            end_leftover(&live),
+            (false, None),
+            "a missing file is nothing to end"
+        );
     }
 }
