@@ -21,6 +21,8 @@
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
 //! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
 //!   clause document and how a target's support is learned.
+//! - [`agent_sandbox`]: the Agent Sandbox profile's clauses, its stand-in defects, and the
+//!   service the runner launches for it (`--launch`).
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
@@ -29,6 +31,7 @@
 //! **Architecture Invariant:** transcripts never hold a credential: requests record which
 //! principal authenticated them, not the token.
 
+pub mod agent_sandbox;
 pub mod cli;
 pub mod connect;
 pub mod engine;

@@ -17,6 +17,9 @@ pub enum Api {
     V1,
     /// E2B's control plane and envd (`docs/profiles/e2b.md`).
     E2b,
+    /// The Agent Sandbox runtime service, `agent-sandbox-server`
+    /// (`docs/profiles/agent-sandbox.md`).
+    AgentSandbox,
 }
 
 /// The E2B clause document; scenarios of the E2B catalog cite its clause IDs.
@@ -27,6 +30,7 @@ impl Api {
         match self {
             Api::V1 => "v1",
             Api::E2b => "e2b",
+            Api::AgentSandbox => "agent-sandbox",
         }
     }
 
@@ -36,12 +40,13 @@ impl Api {
         match self {
             Api::V1 => root.to_owned(),
             Api::E2b => root.join("e2b"),
+            Api::AgentSandbox => root.join(crate::agent_sandbox::CATALOG_FOLDER),
         }
     }
 
     /// The folders of a catalog root that belong to other profiles than `/v1`.
     pub fn profile_folders() -> &'static [&'static str] {
-        &["e2b"]
+        &["e2b", crate::agent_sandbox::CATALOG_FOLDER]
     }
 
     /// Whether the target advertises what it supports (`GET /v1/capabilities`).
@@ -52,7 +57,7 @@ impl Api {
     /// The request header a principal's credential goes in, and its value for `token`.
     pub fn credential(self, token: &str) -> (&'static str, String) {
         match self {
-            Api::V1 => ("Authorization", format!("Bearer {token}")),
+            Api::V1 | Api::AgentSandbox => ("Authorization", format!("Bearer {token}")),
             Api::E2b => ("X-API-Key", token.to_owned()),
         }
     }
@@ -100,5 +105,9 @@ mod tests {
             ("Authorization", "Bearer t".into())
         );
         assert_eq!(Api::E2b.credential("t"), ("X-API-Key", "t".into()));
+        assert_eq!(
+            Api::AgentSandbox.credential("t"),
+            ("Authorization", "Bearer t".into())
+        );
     }
 }

@@ -68,6 +68,9 @@ pub struct Capabilities {
     pub retention: BTreeMap<String, i64>,
     pub server_name: Option<String>,
     pub server_version: Option<String>,
+    /// The directory a profile without `/v1/capabilities` confines files to, as scenarios
+    /// see it (`{{base_dir}}`): the launched service's, or `--base-dir`.
+    pub base_dir: Option<String>,
     /// The document as received, for the report.
     pub raw: serde_json::Value,
 }
@@ -129,6 +132,7 @@ impl Capabilities {
                 .and_then(|s| s.get("version"))
                 .and_then(|n| n.as_str())
                 .map(str::to_owned),
+            base_dir: None,
             raw,
         })
     }
@@ -224,6 +228,8 @@ pub struct Target {
     pub request_timeout: Duration,
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
+    /// A service the runner launched for another profile (`--launch`); stopped on drop.
+    _service: Option<crate::agent_sandbox::LaunchedService>,
 }
 
 /// A second base URL serving the same deployment as the target, with the same principals'
@@ -349,6 +355,36 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
+            _service: None,
+        })
+    }
+
+    /// A target the runner launched itself (`--launch`), speaking `api`; the service is
+    /// stopped when the target is dropped. Scenarios see its base directory as
+    /// `{{base_dir}}`.
+    pub fn launched(
+        api: crate::profile::Api,
+        service: crate::agent_sandbox::LaunchedService,
+    ) -> Result<Target, TargetError> {
+        let client = build_client(None)?;
+        let capabilities = Capabilities {
+            base_dir: Some(service.base_dir().display().to_string()),
+            ..Capabilities::default()
+        };
+        Ok(Target {
+            canary: crate::evidence::new_canary(),
+            base_url: service.url.clone(),
+            client,
+            tokens: service.tokens.clone(),
+            capabilities,
+            api,
+            envd_domain: None,
+            ca: None,
+            peer: None,
+            wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            _server: None,
+            _service: Some(service),
         })
     }
 
@@ -385,6 +421,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
+            _service: None,
         })
     }
 
@@ -433,6 +470,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: Some(server),
+            _service: None,
         })
     }
 }

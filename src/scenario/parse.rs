@@ -292,6 +292,18 @@ impl Checker<'_> {
             );
         }
         for c in &s.clauses {
+            if c.value.starts_with("ASB-") {
+                if !crate::agent_sandbox::is_clause(&c.value) {
+                    self.err(
+                        Pos::of(c),
+                        format!(
+                            "clause `{}` is not defined in docs/profiles/agent-sandbox.md",
+                            c.value
+                        ),
+                    );
+                }
+                continue;
+            }
             if c.value.starts_with("E2B-") {
                 if !crate::profile::is_e2b_clause(&c.value) {
                     self.err(
@@ -322,6 +334,7 @@ impl Checker<'_> {
         // The E2B profile's clauses are its own document's guarantees, every one a MUST.
         let cites_must = s.clauses.iter().any(|c| {
             c.value.starts_with("E2B-")
+                || c.value.starts_with("ASB-")
                 || super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must)
         });
         if s.level == Level::Must && !s.clauses.is_empty() && !cites_must {
@@ -344,13 +357,20 @@ impl Checker<'_> {
             }
         }
         let mut named = BTreeSet::new();
+        // The Agent Sandbox profile's scenarios run against a real service: their defects
+        // are its stand-in's, not the reference server's.
+        let stand_in = s.clauses.iter().any(|c| c.value.starts_with("ASB-"));
         for control in &s.defects {
             let defect = &control.defect;
-            if defect
-                .value
-                .parse::<reference_server::defects::Defect>()
-                .is_err()
-            {
+            let known = if stand_in {
+                crate::agent_sandbox::DEFECTS.contains(&defect.value.as_str())
+            } else {
+                defect
+                    .value
+                    .parse::<reference_server::defects::Defect>()
+                    .is_ok()
+            };
+            if !known {
                 self.err(
                     Pos::of(defect),
                     format!("unknown defect `{}`", defect.value),
@@ -955,7 +975,9 @@ enum Builtin {
 
 fn builtin(name: &str) -> Option<Builtin> {
     match name {
-        "run_id" | "canary" | "uuid" | "rand" | "provider.default" => Some(Builtin::Known),
+        "run_id" | "canary" | "uuid" | "rand" | "provider.default" | "base_dir" => {
+            Some(Builtin::Known)
+        }
         "provider.other" => Some(Builtin::OtherProvider),
         _ => {
             if let Some(key) = name.strip_prefix("limits.") {

@@ -1,0 +1,248 @@
+//! The Agent Sandbox profile (`--api agent-sandbox`): its clause document, the deliberate
+//! defects of its stand-in, and the service the runner launches itself (`--launch`).
+//!
+//! A launched service gets what a deployment would give it: a policy file naming two
+//! principals whose tokens are fresh for the run and reach it only through environment
+//! variables (the policy's `token_env`, never the command line), a free loopback port and a
+//! base directory of its own. The runner waits for `GET /health`, and stops the service's
+//! whole process group at the end, so that nothing it started outlives the run.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::AsyncBufReadExt as _;
+
+use crate::target::{TargetError, Tokens};
+
+/// The profile's catalog: this folder of the catalog root.
+pub const CATALOG_FOLDER: &str = "agent-sandbox";
+
+/// The clause document; the profile's scenarios cite its clause IDs.
+const CLAUSES_DOC: &str = include_str!("../docs/profiles/agent-sandbox.md");
+
+/// The deliberate defects of the stand-in (`fixtures/agent-sandbox/defects.py`, loaded into
+/// the real service with `--commands` and chosen with [`DEFECT_ENV`]). A MUST scenario of
+/// this profile names the ones it catches; `tests/agent_sandbox.rs` proves each catch.
+pub const DEFECTS: &[&str] = &[
+    "asb-any-token-accepted",
+    "asb-sessions-shared",
+    "asb-paths-unconfined",
+    "asb-bad-input-500",
+];
+
+/// The environment variable the stand-in reads its defect from.
+pub const DEFECT_ENV: &str = "SANDSPEC_ASB_DEFECT";
+
+/// Environment of a launched command: the port to listen on, the policy file, the base
+/// directory, and the two principals' tokens (named by the policy file, read by the service).
+pub const PORT_ENV: &str = "SANDSPEC_PORT";
+pub const POLICY_ENV: &str = "SANDSPEC_POLICY";
+pub const BASE_DIR_ENV: &str = "SANDSPEC_BASE_DIR";
+pub const OWNER_TOKEN_ENV: &str = "SANDSPEC_OWNER_TOKEN";
+pub const OTHER_TOKEN_ENV: &str = "SANDSPEC_OTHER_TOKEN";
+
+/// Whether `id` is a clause of the profile's document: a row `| \`ASB-...\` |` of its
+/// "Clauses" table.
+pub fn is_clause(id: &str) -> bool {
+    clauses().any(|c| c == id)
+}
+
+/// Every clause ID the document defines.
+pub fn clauses() -> impl Iterator<Item = &'static str> {
+    CLAUSES_DOC
+        .lines()
+        .skip_while(|line| *line != "## Clauses")
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .filter_map(|line| {
+            let rest = line.strip_prefix("| `")?;
+            let (id, _) = rest.split_once('`')?;
+            id.starts_with("ASB-").then_some(id)
+        })
+}
+
+/// The policy file of a launched service: two principals with every scope, their tokens
+/// in the named environment variables, and the opt-in Agents API switched on.
+pub fn policy_json() -> String {
+    serde_json::json!({
+        "version": 1,
+        "description": "sandspec run: two principals with fresh tokens",
+        "groups": ["agents"],
+        "auth": {"tokens": [
+            {"id": "alice", "scopes": ["*"], "token_env": OWNER_TOKEN_ENV},
+            {"id": "bob", "scopes": ["*"], "token_env": OTHER_TOKEN_ENV},
+        ]},
+    })
+    .to_string()
+}
+
+/// A service the runner started with `--launch`; its process group is stopped on drop.
+pub struct LaunchedService {
+    pub url: String,
+    pub tokens: Tokens,
+    /// The base directory the service confines files to (`$SANDSPEC_BASE_DIR`).
+    pub base_dir: PathBuf,
+    /// `sh -c <command>`, leader of its own process group: stopping the group reaches the
+    /// service and every process it started, however the command wraps it.
+    child: tokio::process::Child,
+    /// Holds the policy file and the base directory; removed on drop.
+    _dir: tempfile::TempDir,
+}
+
+impl LaunchedService {
+    /// Runs `command` with `sh -c`, then waits until `GET /health` answers 200.
+    pub async fn start(command: &str) -> Result<LaunchedService, TargetError> {
+        let spawn_err = |reason: String| TargetError::Spawn {
+            binary: format!("--launch `{command}`"),
+            reason,
+        };
+        let dir =
+            tempfile::tempdir().map_err(|e| spawn_err(format!("temporary directory: {e}")))?;
+        let policy = dir.path().join("policy.json");
+        std::fs::write(&policy, policy_json()).map_err(|e| spawn_err(format!("policy: {e}")))?;
+        let base_dir = dir.path().join("base");
+        std::fs::create_dir(&base_dir).map_err(|e| spawn_err(format!("base dir: {e}")))?;
+        let port = free_port().map_err(|e| spawn_err(format!("no free port: {e}")))?;
+        let tokens = Tokens {
+            owner: crate::target::random_token(),
+            other: crate::target::random_token(),
+            admin: None,
+        };
+        let mut cmd = tokio::process::Command::new("sh");
+        cmd.arg("-c")
+            .arg(command)
+            .current_dir(&base_dir)
+            .env(PORT_ENV, port.to_string())
+            .env(POLICY_ENV, &policy)
+            .env(BASE_DIR_ENV, &base_dir)
+            .env(OWNER_TOKEN_ENV, &tokens.owner)
+            .env(OTHER_TOKEN_ENV, &tokens.other)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        for pipe in [
+            child.stdout.take().map(Pipe::Out),
+            child.stderr.take().map(Pipe::Err),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let reader: Box<dyn tokio::io::AsyncRead + Send + Unpin> = match pipe {
+                    Pipe::Out(p) => Box::new(p),
+                    Pipe::Err(p) => Box::new(p),
+                };
+                let mut lines = tokio::io::BufReader::new(reader).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let mut log = log.lock().expect("log lock");
+                    if log.len() < 200 {
+                        log.push(line);
+                    }
+                }
+            });
+        }
+        let url = format!("http://127.0.0.1:{port}");
+        let client = crate::target::build_client(None)?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let tail = log.lock().expect("log lock").join("\n");
+                return Err(spawn_err(format!(
+                    "exited ({status}) before it was healthy; its output:\n{tail}"
+                )));
+            }
+            let healthy = client
+                .get(format!("{url}/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == reqwest::StatusCode::OK);
+            if healthy {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(spawn_err(format!(
+                    "{url}/health did not answer 200 within 30 s"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(LaunchedService {
+            url,
+            tokens,
+            base_dir,
+            child,
+            _dir: dir,
+        })
+    }
+
+    /// The base directory as scenarios see it (`{{base_dir}}`).
+    pub fn base_dir(&self) -> &Path {
+        &self.base_dir
+    }
+}
+
+enum Pipe {
+    Out(tokio::process::ChildStdout),
+    Err(tokio::process::ChildStderr),
+}
+
+/// A loopback port nothing listens on now (the service binds it a moment later).
+fn free_port() -> std::io::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+impl Drop for LaunchedService {
+    fn drop(&mut self) {
+        const GRACE: Duration = Duration::from_secs(5);
+        let Some(pid) = self.child.id() else { return };
+        let Ok(pgid) = i32::try_from(pid) else { return };
+        // SAFETY: killpg(2) on the process group our own unreaped child leads.
+        if unsafe { libc::killpg(pgid, libc::SIGTERM) } != 0 {
+            return;
+        }
+        let deadline = std::time::Instant::now() + GRACE;
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Whatever the service started and left behind is in the group too.
+        // SAFETY: as above; the group may already be empty, which is fine.
+        unsafe { libc::killpg(pgid, libc::SIGKILL) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_document_defines_clauses_and_only_those_count() {
+        assert!(clauses().count() >= 8);
+        assert!(is_clause("ASB-AUTH-1"));
+        assert!(!is_clause("ASB-AUTH-999"));
+        assert!(!is_clause("E2B-AUTH-1"));
+        // The catalog table names scenarios, not clauses.
+        assert!(!is_clause("ASB-AUTH-001"));
+    }
+
+    #[test]
+    fn the_policy_names_two_principals_by_environment_variable() {
+        let policy: serde_json::Value = serde_json::from_str(&policy_json()).unwrap();
+        let tokens = policy["auth"]["tokens"].as_array().unwrap();
+        assert_eq!(tokens.len(), 2);
+        assert_eq!(tokens[0]["token_env"], OWNER_TOKEN_ENV);
+        assert_eq!(tokens[1]["token_env"], OTHER_TOKEN_ENV);
+        assert!(!policy_json().contains("sst_"));
+    }
+}
