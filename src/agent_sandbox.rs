@@ -222,6 +222,97 @@ impl Drop for LaunchedService {
     }
 }
 
+/// The end-of-run sweep: for both principals, every agent session `GET /v1/agents/sessions`
+/// lists whose own metadata carries this run's `sandspec_run` is deleted and confirmed gone
+/// (each a cleanup failure of the run). Processes and files carry no metadata; scenarios
+/// clean them up themselves, and a launched service's process group is stopped at the end.
+pub async fn sweep_run(target: &crate::target::Target, run_id: &str) -> crate::live::RunSweep {
+    const LIST: &str = "/v1/agents/sessions";
+    let mut sweep = crate::live::RunSweep::default();
+    let mut errors = Vec::new();
+    for (principal, token) in [
+        ("owner", target.tokens.owner.as_str()),
+        ("other", target.tokens.other.as_str()),
+    ] {
+        let records = match list_sessions(target, token).await {
+            Ok(r) => r,
+            Err(e) => {
+                errors.push(format!("{e} (as {principal})"));
+                continue;
+            }
+        };
+        let mut ignored = 0;
+        for record in &records {
+            let id = record.get("id").and_then(serde_json::Value::as_str);
+            match id {
+                Some(id) if crate::live::tag_of(record) == Some(run_id) => {
+                    let path = format!("{LIST}/{id}");
+                    let removed = crate::live::remove(target, token, &path).await;
+                    sweep.found.push(crate::engine::Leftover { path, removed });
+                }
+                _ => ignored += 1,
+            }
+        }
+        if ignored > 0 {
+            sweep.ignored.push(crate::live::Ignored {
+                principal: principal.to_owned(),
+                list: LIST.to_owned(),
+                filtered: false,
+                count: ignored,
+            });
+        }
+    }
+    if !errors.is_empty() {
+        sweep.error = Some(errors.join("; "));
+    }
+    sweep
+}
+
+/// Every page of `GET /v1/agents/sessions` (`limit`, `after`, `has_more`), as `token`.
+async fn list_sessions(
+    target: &crate::target::Target,
+    token: &str,
+) -> Result<Vec<serde_json::Value>, String> {
+    const LIST: &str = "/v1/agents/sessions";
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    for _ in 0..1000 {
+        let mut url = reqwest::Url::parse(&format!("{}{LIST}", target.base_url))
+            .map_err(|e| format!("GET {LIST}: {e}"))?;
+        url.query_pairs_mut().append_pair("limit", "100");
+        if let Some(a) = &after {
+            url.query_pairs_mut().append_pair("after", a);
+        }
+        let (name, value) = target.api.credential(token);
+        let response = target
+            .client
+            .get(url)
+            .header(name, value)
+            .timeout(target.request_timeout)
+            .send()
+            .await
+            .map_err(|e| format!("GET {LIST}: {}", crate::target::describe_reqwest(&e)))?;
+        if !response.status().is_success() {
+            return Err(format!("GET {LIST}: status {}", response.status()));
+        }
+        let page: serde_json::Value = response
+            .json()
+            .await
+            .map_err(|e| format!("GET {LIST}: {e}"))?;
+        let data = page
+            .get("data")
+            .and_then(serde_json::Value::as_array)
+            .ok_or_else(|| format!("GET {LIST}: no `data` array"))?;
+        out.extend(data.iter().cloned());
+        let more = page.get("has_more").and_then(serde_json::Value::as_bool) == Some(true);
+        match page.get("last_id").and_then(serde_json::Value::as_str) {
+            Some(last) if more => after = Some(last.to_owned()),
+            _ => return Ok(out),
+        }
+    }
+    Err(format!("GET {LIST}: more than 1000 pages"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
