@@ -41,6 +41,9 @@ pub const POLICY_ENV: &str = "SANDSPEC_POLICY";
 pub const BASE_DIR_ENV: &str = "SANDSPEC_BASE_DIR";
 pub const OWNER_TOKEN_ENV: &str = "SANDSPEC_OWNER_TOKEN";
 pub const OTHER_TOKEN_ENV: &str = "SANDSPEC_OTHER_TOKEN";
+/// A directory for the service's own state, empty at the start of the run and kept across
+/// restarts (the package keeps agent sessions in `ABX_AGENTS_STATE_DIR`).
+pub const STATE_DIR_ENV: &str = "SANDSPEC_STATE_DIR";
 
 /// Whether `id` is a clause of the profile's document: a row `| \`ASB-...\` |` of its
 /// "Clauses" table.
@@ -81,13 +84,16 @@ pub fn policy_json() -> String {
 pub struct LaunchedService {
     pub url: String,
     pub tokens: Tokens,
-    /// The base directory the service confines files to (`$SANDSPEC_BASE_DIR`).
-    pub base_dir: PathBuf,
+    /// The command, run again as it was by a restart.
+    command: String,
+    port: u16,
     /// `sh -c <command>`, leader of its own process group: stopping the group reaches the
     /// service and every process it started, however the command wraps it.
     child: tokio::process::Child,
-    /// Holds the policy file and the base directory; removed on drop.
-    _dir: tempfile::TempDir,
+    /// The service's recent output, for the message when it will not start.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Holds the policy file, the base directory and the state directory; removed on drop.
+    dir: tempfile::TempDir,
 }
 
 impl LaunchedService {
@@ -99,109 +105,89 @@ impl LaunchedService {
         };
         let dir =
             tempfile::tempdir().map_err(|e| spawn_err(format!("temporary directory: {e}")))?;
-        let policy = dir.path().join("policy.json");
-        std::fs::write(&policy, policy_json()).map_err(|e| spawn_err(format!("policy: {e}")))?;
-        let base_dir = dir.path().join("base");
-        std::fs::create_dir(&base_dir).map_err(|e| spawn_err(format!("base dir: {e}")))?;
+        std::fs::write(dir.path().join("policy.json"), policy_json())
+            .map_err(|e| spawn_err(format!("policy: {e}")))?;
+        for sub in ["base", "state"] {
+            std::fs::create_dir(dir.path().join(sub))
+                .map_err(|e| spawn_err(format!("{sub} directory: {e}")))?;
+        }
         let port = free_port().map_err(|e| spawn_err(format!("no free port: {e}")))?;
         let tokens = Tokens {
             owner: crate::target::random_token(),
             other: crate::target::random_token(),
             admin: None,
         };
-        let mut cmd = tokio::process::Command::new("sh");
-        cmd.arg("-c")
-            .arg(command)
-            .current_dir(&base_dir)
-            .env(PORT_ENV, port.to_string())
-            .env(POLICY_ENV, &policy)
-            .env(BASE_DIR_ENV, &base_dir)
-            .env(OWNER_TOKEN_ENV, &tokens.owner)
-            .env(OTHER_TOKEN_ENV, &tokens.other)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|e| spawn_err(e.to_string()))?;
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-        for pipe in [
-            child.stdout.take().map(Pipe::Out),
-            child.stderr.take().map(Pipe::Err),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let log = log.clone();
-            tokio::spawn(async move {
-                let reader: Box<dyn tokio::io::AsyncRead + Send + Unpin> = match pipe {
-                    Pipe::Out(p) => Box::new(p),
-                    Pipe::Err(p) => Box::new(p),
-                };
-                let mut lines = tokio::io::BufReader::new(reader).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    let mut log = log.lock().expect("log lock");
-                    if log.len() < 200 {
-                        log.push(line);
-                    }
-                }
-            });
-        }
-        let url = format!("http://127.0.0.1:{port}");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let child = spawn(command, dir.path(), port, &tokens, &log)?;
+        let mut service = LaunchedService {
+            url: format!("http://127.0.0.1:{port}"),
+            tokens,
+            command: command.to_owned(),
+            port,
+            child,
+            log,
+            dir,
+        };
+        service.wait_healthy().await?;
+        Ok(service)
+    }
+
+    /// Stops the service (its whole process group) and starts the same command again, on
+    /// the same port, with the same tokens and directories.
+    pub async fn restart(&mut self) -> Result<(), TargetError> {
+        self.stop();
+        self.log.lock().expect("log lock").clear();
+        self.child = spawn(
+            &self.command,
+            self.dir.path(),
+            self.port,
+            &self.tokens,
+            &self.log,
+        )?;
+        self.wait_healthy().await
+    }
+
+    /// The base directory as scenarios see it (`{{base_dir}}`).
+    pub fn base_dir(&self) -> PathBuf {
+        self.dir.path().join("base")
+    }
+
+    async fn wait_healthy(&mut self) -> Result<(), TargetError> {
+        let spawn_err = |reason: String| TargetError::Spawn {
+            binary: format!("--launch `{}`", self.command),
+            reason,
+        };
         let client = crate::target::build_client(None)?;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(Some(status)) = child.try_wait() {
+            if let Ok(Some(status)) = self.child.try_wait() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                let tail = log.lock().expect("log lock").join("\n");
+                let tail = self.log.lock().expect("log lock").join("\n");
                 return Err(spawn_err(format!(
                     "exited ({status}) before it was healthy; its output:\n{tail}"
                 )));
             }
             let healthy = client
-                .get(format!("{url}/health"))
+                .get(format!("{}/health", self.url))
                 .timeout(Duration::from_secs(2))
                 .send()
                 .await
                 .is_ok_and(|r| r.status() == reqwest::StatusCode::OK);
             if healthy {
-                break;
+                return Ok(());
             }
             if tokio::time::Instant::now() > deadline {
                 return Err(spawn_err(format!(
-                    "{url}/health did not answer 200 within 30 s"
+                    "{}/health did not answer 200 within 30 s",
+                    self.url
                 )));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Ok(LaunchedService {
-            url,
-            tokens,
-            base_dir,
-            child,
-            _dir: dir,
-        })
     }
 
-    /// The base directory as scenarios see it (`{{base_dir}}`).
-    pub fn base_dir(&self) -> &Path {
-        &self.base_dir
-    }
-}
-
-enum Pipe {
-    Out(tokio::process::ChildStdout),
-    Err(tokio::process::ChildStderr),
-}
-
-/// A loopback port nothing listens on now (the service binds it a moment later).
-fn free_port() -> std::io::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
-}
-
-impl Drop for LaunchedService {
-    fn drop(&mut self) {
+    /// SIGTERM to the process group, SIGKILL to what is left after a grace period.
+    fn stop(&mut self) {
         const GRACE: Duration = Duration::from_secs(5);
         let Some(pid) = self.child.id() else { return };
         let Ok(pgid) = i32::try_from(pid) else { return };
@@ -219,6 +205,78 @@ impl Drop for LaunchedService {
         // Whatever the service started and left behind is in the group too.
         // SAFETY: as above; the group may already be empty, which is fine.
         unsafe { libc::killpg(pgid, libc::SIGKILL) };
+        let _ = self.child.start_kill();
+    }
+}
+
+/// Starts `sh -c command` in its own process group, with the launch environment, its
+/// output collected into `log`.
+fn spawn(
+    command: &str,
+    dir: &Path,
+    port: u16,
+    tokens: &Tokens,
+    log: &std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) -> Result<tokio::process::Child, TargetError> {
+    let base_dir = dir.join("base");
+    let mut cmd = tokio::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(command)
+        .current_dir(&base_dir)
+        .env(PORT_ENV, port.to_string())
+        .env(POLICY_ENV, dir.join("policy.json"))
+        .env(BASE_DIR_ENV, &base_dir)
+        .env(STATE_DIR_ENV, dir.join("state"))
+        .env(OWNER_TOKEN_ENV, &tokens.owner)
+        .env(OTHER_TOKEN_ENV, &tokens.other)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| TargetError::Spawn {
+        binary: format!("--launch `{command}`"),
+        reason: e.to_string(),
+    })?;
+    for pipe in [
+        child.stdout.take().map(Pipe::Out),
+        child.stderr.take().map(Pipe::Err),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let log = log.clone();
+        tokio::spawn(async move {
+            let reader: Box<dyn tokio::io::AsyncRead + Send + Unpin> = match pipe {
+                Pipe::Out(p) => Box::new(p),
+                Pipe::Err(p) => Box::new(p),
+            };
+            let mut lines = tokio::io::BufReader::new(reader).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut log = log.lock().expect("log lock");
+                if log.len() < 200 {
+                    log.push(line);
+                }
+            }
+        });
+    }
+    Ok(child)
+}
+
+enum Pipe {
+    Out(tokio::process::ChildStdout),
+    Err(tokio::process::ChildStderr),
+}
+
+/// A loopback port nothing listens on now (the service binds it a moment later).
+fn free_port() -> std::io::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+impl Drop for LaunchedService {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

@@ -229,7 +229,7 @@ pub struct Target {
     /// The reference server, when this target started it; killed on drop.
     _server: Option<ReferenceServer>,
     /// A service the runner launched for another profile (`--launch`); stopped on drop.
-    _service: Option<crate::agent_sandbox::LaunchedService>,
+    service: Option<tokio::sync::Mutex<crate::agent_sandbox::LaunchedService>>,
 }
 
 /// A second base URL serving the same deployment as the target, with the same principals'
@@ -355,7 +355,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
-            _service: None,
+            service: None,
         })
     }
 
@@ -384,8 +384,28 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
-            _service: Some(service),
+            service: Some(tokio::sync::Mutex::new(service)),
         })
+    }
+
+    /// Whether the runner started the target and so can restart it (`restart` steps).
+    pub fn can_restart(&self) -> bool {
+        self.service.is_some()
+    }
+
+    /// Stops the launched service and starts it again on the same address, with the same
+    /// principals and directories; answers once it is healthy.
+    pub async fn restart(&self) -> Result<(), String> {
+        let service = self
+            .service
+            .as_ref()
+            .ok_or("the runner did not start the target, so it cannot restart it")?;
+        service
+            .lock()
+            .await
+            .restart()
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// The same target speaking `api`. For a profile without a capabilities endpoint what
@@ -421,7 +441,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: None,
-            _service: None,
+            service: None,
         })
     }
 
@@ -470,7 +490,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             _server: Some(server),
-            _service: None,
+            service: None,
         })
     }
 }

@@ -182,7 +182,13 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             "admin_token" if target.tokens.admin.is_none() => {
                 return Some("no admin token (--admin-token-env)".into());
             }
-            "peer" | "admin_token" => continue,
+            "restart" if !target.can_restart() => {
+                return Some(
+                    "the runner did not start the target (--launch), so it cannot restart it"
+                        .into(),
+                );
+            }
+            "peer" | "admin_token" | "restart" => continue,
             _ => {}
         }
         if !target.capabilities.has(&cap.value) {

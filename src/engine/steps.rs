@@ -17,6 +17,7 @@ mod digest;
 mod parallel;
 mod poll;
 mod request;
+mod restart;
 mod sleep;
 mod snapshot;
 mod sse;
@@ -64,6 +65,7 @@ macro_rules! dispatch {
             Step::Sleep($k) => $body,
             Step::Absent($k) => $body,
             Step::Connect($k) => $body,
+            Step::Restart($k) => $body,
         }
     };
 }

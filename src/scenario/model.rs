@@ -208,6 +208,7 @@ pub enum Step {
     Sleep(Sleep),
     Absent(Absent),
     Connect(Connect),
+    Restart(Restart),
 }
 
 impl Step {
@@ -246,6 +247,7 @@ impl Step {
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
+            Step::Restart(r) => r.name.as_deref(),
             Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) | Step::Connect(_) => {
                 None
             }
@@ -265,6 +267,7 @@ impl Step {
             Step::Sleep(_) => "sleep",
             Step::Absent(_) => "absent",
             Step::Connect(_) => "connect",
+            Step::Restart(_) => "restart",
         }
     }
 }
@@ -660,6 +663,17 @@ pub struct Tally {
     /// 429).
     #[serde(default)]
     pub headers: Vec<HeaderCheck>,
+}
+
+/// Stop the service under test and start it again, with the same port, principals and
+/// directories, once it is healthy. Only a service the runner launched can be restarted: a
+/// scenario with this step must `require: [restart]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Restart {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// A bounded pause. Prefer `poll`.

@@ -48,6 +48,7 @@ pub const CAPABILITIES: &[&str] = &[
     "two_providers",
     "peer",
     "admin_token",
+    "restart",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the
@@ -587,6 +588,14 @@ impl Checker<'_> {
                     self.err(
                         Pos::of(&s.ms),
                         format!("`sleep` is bounded to {MAX_SLEEP_MS} ms; use `poll`"),
+                    );
+                }
+            }
+            Step::Restart(_) => {
+                if !ctx.requires.contains("restart") {
+                    self.err(
+                        Pos::default(),
+                        "a `restart` step needs `requires: [restart]` (only a launched service can be restarted)",
                     );
                 }
             }
