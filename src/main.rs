@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run scenarios against a target and judge conformance.
-    Run(sandspec::cli::RunArgs),
+    Run(Box<sandspec::cli::RunArgs>),
     /// List the scenario catalog: ID, level, clauses, title.
     List(sandspec::cli::ListArgs),
     /// Remove test resources (tagged `sandspec_run`) left by earlier, interrupted runs.
@@ -54,7 +54,7 @@ enum EvidenceCommand {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Run(args) => sandspec::cli::run_blocking(args),
+        Command::Run(args) => sandspec::cli::run_blocking(*args),
         Command::List(args) => sandspec::cli::list(&args),
         Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
         Command::Serve(args) => reference_server::cli::main(args),

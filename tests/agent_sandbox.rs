@@ -139,11 +139,15 @@ fn the_package_runs_the_profile_as_pinned() {
     let receipt: serde_json::Value =
         serde_json::from_slice(&std::fs::read(evidence.join("receipt.json")).unwrap()).unwrap();
     assert_eq!(receipt["predicate"]["target"]["kind"], "launched");
-    assert!(
-        receipt["predicate"]["cleanup"].to_string().contains("[]")
-            || receipt["predicate"]["cleanup"].is_null(),
-        "leftovers: {}",
-        receipt["predicate"]["cleanup"]
+    // Every session a scenario made was removed by its own cleanup; the sweep found nothing,
+    // and no session of anything else was there to ignore (the state directory is the run's).
+    let cleanup = &receipt["predicate"]["cleanup"];
+    assert_eq!(cleanup["swept"], serde_json::json!([]), "{cleanup}");
+    assert!(cleanup["run_sweep"]["error"].is_null(), "{cleanup}");
+    assert_eq!(
+        cleanup["run_sweep"]["ignored"],
+        serde_json::json!([]),
+        "{cleanup}"
     );
     let summary = summary(&receipt);
     // Every scenario of the catalog ran: none is missing from the pinned summary.
@@ -283,7 +287,11 @@ fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
         .env("ASB_OTHER", &service.tokens.other)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&run.stderr);
+    let stderr = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
     // A skipped MUST scenario leaves the profile partial: not conformant, and said why.
     assert_eq!(run.status.code(), Some(1), "stderr:\n{stderr}");
     assert!(

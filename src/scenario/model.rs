@@ -247,7 +247,7 @@ impl Step {
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
-            Step::Restart(r) => r.name.as_deref(),
+            Step::Restart(r) => Some(r.name.value.as_str()),
             Step::Request(_) | Step::Poll(_) | Step::Sse(_) | Step::Sleep(_) | Step::Connect(_) => {
                 None
             }
@@ -671,9 +671,9 @@ pub struct Tally {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Restart {
-    /// A short name for messages, the transcript and `fails_at`.
-    #[serde(default)]
-    pub name: Option<String>,
+    /// A short name for messages, the transcript and `fails_at` (required: a restart is a
+    /// moment the scenario's later steps are read against).
+    pub name: Located<String>,
 }
 
 /// A bounded pause. Prefer `poll`.

@@ -591,10 +591,10 @@ impl Checker<'_> {
                     );
                 }
             }
-            Step::Restart(_) => {
+            Step::Restart(r) => {
                 if !ctx.requires.contains("restart") {
                     self.err(
-                        Pos::default(),
+                        Pos::of(&r.name),
                         "a `restart` step needs `requires: [restart]` (only a launched service can be restarted)",
                     );
                 }
