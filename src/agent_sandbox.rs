@@ -222,7 +222,6 @@ fn spawn(
     let mut cmd = tokio::process::Command::new("sh");
     cmd.arg("-c")
         .arg(command)
-        .current_dir(&base_dir)
         .env(PORT_ENV, port.to_string())
         .env(POLICY_ENV, dir.join("policy.json"))
         .env(BASE_DIR_ENV, &base_dir)
