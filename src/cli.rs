@@ -512,7 +512,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     let (target, kind) = match (&args.target, &args.launch) {
         (None, Some(command)) => {
             let service = crate::agent_sandbox::LaunchedService::start(command).await?;
-            (Target::launched(args.api, service)?, "launched")
+            (Target::launched(args.api, service).await?, "launched")
         }
         (Some(url), _) => {
             crate::live::guard(url, args.live).map_err(|e| RunError::Usage(e.to_string()))?;

@@ -508,6 +508,10 @@ mod tests {
             crate::scenario::load_dir(&crate::profile::Api::E2b.catalog(&dir))
                 .expect("the E2B catalog parses"),
         );
+        catalog.extend(
+            crate::scenario::load_dir(&crate::profile::Api::AgentSandbox.catalog(&dir))
+                .expect("the Agent Sandbox catalog parses"),
+        );
         let tagged = |v: Option<&Value>| {
             v.and_then(|m| m.get(RUN_TAG)).and_then(Value::as_str) == Some("{{run_id}}")
         };
@@ -534,7 +538,7 @@ mod tests {
                 }
                 let body = r.json.as_ref().map(|j| &j.value);
                 let ok = match r.path.raw.as_str() {
-                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" => {
+                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" | "/v1/agents/sessions" => {
                         tagged(body.and_then(|b| b.get("metadata")))
                     }
                     "/v1/sessions" => {

@@ -361,14 +361,32 @@ impl Target {
 
     /// A target the runner launched itself (`--launch`), speaking `api`; the service is
     /// stopped when the target is dropped. Scenarios see its base directory as
-    /// `{{base_dir}}`.
-    pub fn launched(
+    /// `{{base_dir}}`. Its `GET /capabilities` document, when it serves one, is kept for the
+    /// report (and its `server_version`), never read for features.
+    pub async fn launched(
         api: crate::profile::Api,
         service: crate::agent_sandbox::LaunchedService,
     ) -> Result<Target, TargetError> {
         let client = build_client(None)?;
+        let (name, value) = api.credential(&service.tokens.owner);
+        let document = match client
+            .get(format!("{}/capabilities", service.url))
+            .header(name, value)
+            .timeout(DEFAULT_REQUEST_TIMEOUT)
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+            _ => None,
+        };
         let capabilities = Capabilities {
             base_dir: Some(service.base_dir().display().to_string()),
+            server_version: document
+                .as_ref()
+                .and_then(|d| d.get("server_version"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            raw: document.unwrap_or_default(),
             ..Capabilities::default()
         };
         Ok(Target {

@@ -139,6 +139,17 @@ fn the_package_runs_the_profile_as_pinned() {
     let receipt: serde_json::Value =
         serde_json::from_slice(&std::fs::read(evidence.join("receipt.json")).unwrap()).unwrap();
     assert_eq!(receipt["predicate"]["target"]["kind"], "launched");
+    assert_eq!(receipt["predicate"]["target"]["server_version"], "0.4.0a6");
+    let verify = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(["evidence", "verify"])
+        .arg(&evidence)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
     // Every session a scenario made was removed by its own cleanup; the sweep found nothing,
     // and no session of anything else was there to ignore (the state directory is the run's).
     let cleanup = &receipt["predicate"]["cleanup"];
@@ -180,7 +191,7 @@ fn every_must_scenario_fails_against_its_defect() {
                 let service = LaunchedService::start(&launch_command(&bin, Some(defect)))
                     .await
                     .expect("the stand-in starts");
-                let target = Target::launched(Api::AgentSandbox, service).unwrap();
+                let target = Target::launched(Api::AgentSandbox, service).await.unwrap();
                 let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
                 run_scenario(&target, &s.scenario, &run_id).await.outcome
             });
