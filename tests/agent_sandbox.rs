@@ -76,7 +76,8 @@ fn service_bin() -> Option<PathBuf> {
 /// The `--launch` command for the package, with the stand-in's defect when given.
 fn launch_command(bin: &Path, defect: Option<&str>) -> String {
     let serve = format!(
-        "ABX_AGENTS_STATE_DIR=\"$SANDSPEC_STATE_DIR\" {} serve --host 127.0.0.1 --port \"$SANDSPEC_PORT\" --policy \"$SANDSPEC_POLICY\" --base-dir \"$SANDSPEC_BASE_DIR\"",
+        "PATH={}:\"$PATH\" ABX_AGENTS_STATE_DIR=\"$SANDSPEC_STATE_DIR\" {} serve --host 127.0.0.1 --port \"$SANDSPEC_PORT\" --policy \"$SANDSPEC_POLICY\" --base-dir \"$SANDSPEC_BASE_DIR\"",
+        fixtures().join("bin").display(),
         bin.display()
     );
     match defect {

@@ -533,6 +533,10 @@ pub struct Sse {
     /// numbers.
     #[serde(default)]
     pub id_gaps: bool,
+    /// Framing checks the ids only, not a `seq` in the data (profiles whose events carry
+    /// none, such as the Agent Sandbox's).
+    #[serde(default)]
+    pub ids_only: bool,
     /// Also read the stream with the `eventsource-client` crate and require the same event
     /// types and ids. On unless set to `false` (for a step where a second concurrent stream
     /// would change the outcome, such as a stream-quota check).
