@@ -577,6 +577,30 @@ mod tests {
     }
 
     #[test]
+    fn framing_of_ids_only_needs_no_seq_but_still_refuses_repeats() {
+        let checked = |ids: &[&str]| {
+            let mut f = Framing::after(Some(0)).allowing_gaps().ids_only();
+            ids.iter()
+                .flat_map(|id| {
+                    let e = Event {
+                        event: "x".into(),
+                        data: r#"{"event_id":"evt_1"}"#.into(),
+                        data_lines: 1,
+                        id: Some((*id).into()),
+                        last_event_id: String::new(),
+                    };
+                    f.check(&e)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(checked(&["1", "2", "4"]), vec![]);
+        assert_eq!(
+            checked(&["1", "4", "4"]),
+            vec![Fault::NonMonotonicId { previous: 4, id: 4 }]
+        );
+    }
+
+    #[test]
     fn framing_reports_each_rule() {
         assert_eq!(
             framing(
