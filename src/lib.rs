@@ -19,7 +19,7 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
-//! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
+//! - [`profile`]: protocol profiles (`--api v1|e2b|agent-sandbox`): each one's catalog, credential header,
 //!   clause document and how a target's support is learned.
 //! - [`agent_sandbox`]: the Agent Sandbox profile's clauses, its stand-in defects, and the
 //!   service the runner launches for it (`--launch`).

@@ -5,7 +5,8 @@
 //! `/v1` targets say what they support at `GET /v1/capabilities`. E2B has no such endpoint,
 //! so an E2B target supports exactly the features the run is told of (`--assume-capability`);
 //! a scenario that requires anything else is skipped with that reason, and a skip is never a
-//! pass.
+//! pass. The Agent Sandbox profile is judged the same way; its own parts (clauses, the
+//! launched service, its stand-in's defects) live in [`crate::agent_sandbox`].
 
 use std::path::{Path, PathBuf};
 

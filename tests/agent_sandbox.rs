@@ -315,3 +315,31 @@ fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
     );
     RUNTIME.block_on(async move { drop(service) });
 }
+
+#[test]
+fn the_profile_page_lists_every_scenario_with_its_clauses() {
+    let page = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/profiles/agent-sandbox.md"),
+    )
+    .unwrap();
+    for s in catalog() {
+        let clauses: Vec<&str> = s
+            .scenario
+            .clauses
+            .iter()
+            .map(|c| c.value.as_str())
+            .collect();
+        let row = format!(
+            "| `{}` | {:?} | {} |",
+            s.id(),
+            s.scenario.level,
+            clauses.join(", ")
+        )
+        .replace("| Must |", "| MUST |")
+        .replace("| Should |", "| SHOULD |");
+        assert!(
+            page.contains(&row),
+            "docs/profiles/agent-sandbox.md lacks the row {row}"
+        );
+    }
+}
