@@ -91,6 +91,17 @@ pub struct RunArgs {
     /// server itself (SQLite in a temporary directory, port 0, test controls on).
     #[arg(long, value_name = "URL")]
     pub target: Option<String>,
+    /// Start the service under test with this command (`sh -c`), for `--api agent-sandbox`:
+    /// it gets `$SANDSPEC_PORT` (a free loopback port), `$SANDSPEC_POLICY` (a policy file
+    /// naming two principals whose fresh tokens are in `$SANDSPEC_OWNER_TOKEN` and
+    /// `$SANDSPEC_OTHER_TOKEN`) and `$SANDSPEC_BASE_DIR`; the run waits for `GET /health`
+    /// and stops the command's process group at the end.
+    #[arg(long, value_name = "COMMAND", conflicts_with = "target")]
+    pub launch: Option<String>,
+    /// The directory the target confines files to, for `--api agent-sandbox` with --target
+    /// (scenarios see it as `{{base_dir}}`).
+    #[arg(long, value_name = "DIR", requires = "target")]
+    pub base_dir: Option<String>,
     /// Environment variable holding the owner principal's token (with --target).
     #[arg(long, value_name = "NAME", requires = "target")]
     pub owner_token_env: Option<String>,
@@ -525,8 +536,17 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     };
     let started_at = now_rfc3339();
     let started = Instant::now();
-    let (target, kind) = match &args.target {
-        Some(url) => {
+    if args.launch.is_some() && args.api != crate::profile::Api::AgentSandbox {
+        return Err(RunError::Usage(
+            "--launch starts the service of `--api agent-sandbox`; other profiles take --target or the reference server".into(),
+        ));
+    }
+    let (target, kind) = match (&args.target, &args.launch) {
+        (None, Some(command)) => {
+            let service = crate::agent_sandbox::LaunchedService::start(command).await?;
+            (Target::launched(args.api, service).await?, "launched")
+        }
+        (Some(url), _) => {
             crate::live::guard(url, args.live).map_err(|e| RunError::Usage(e.to_string()))?;
             let owner = args
                 .owner_token_env
@@ -553,9 +573,16 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 }
                 None => t,
             };
+            let mut t = t;
+            t.capabilities.base_dir.clone_from(&args.base_dir);
             (t, "url")
         }
-        None => {
+        (None, None) if args.api == crate::profile::Api::AgentSandbox => {
+            return Err(RunError::Usage(
+                "--api agent-sandbox needs --launch COMMAND or --target URL".into(),
+            ));
+        }
+        (None, None) => {
             let binary = std::env::current_exe()
                 .map_err(|e| RunError::Harness(format!("cannot find the sandspec binary: {e}")))?;
             let options = ReferenceOptions {

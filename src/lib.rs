@@ -19,8 +19,10 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
-//! - [`profile`]: protocol profiles (`--api v1|e2b`): each one's catalog, credential header,
+//! - [`profile`]: protocol profiles (`--api v1|e2b|agent-sandbox`): each one's catalog, credential header,
 //!   clause document and how a target's support is learned.
+//! - [`agent_sandbox`]: the Agent Sandbox profile's clauses, its stand-in defects, and the
+//!   service the runner launches for it (`--launch`).
 //! - [`mcp`]: the MCP client session that drives a sandbox MCP server under test over its
 //!   stdio (the official `rmcp` SDK), and the transcript of what was exchanged.
 //! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
@@ -31,6 +33,7 @@
 //! **Architecture Invariant:** transcripts never hold a credential: requests record which
 //! principal authenticated them, not the token.
 
+pub mod agent_sandbox;
 pub mod cli;
 pub mod connect;
 pub mod engine;

@@ -191,13 +191,13 @@ fn why(target: &Target, e: &reqwest::Error) -> String {
 }
 
 /// The `sandspec_run` tag in a record's own `metadata`, if it has one.
-fn tag_of(record: &Value) -> Option<&str> {
+pub(crate) fn tag_of(record: &Value) -> Option<&str> {
     record.get("metadata")?.get(RUN_TAG)?.as_str()
 }
 
 /// Deletes `path` as `token`, then confirms that a GET answers 404 (waiting a bounded time
 /// for a delete that completes in the background).
-async fn remove(target: &Target, token: &str, path: &str) -> bool {
+pub(crate) async fn remove(target: &Target, token: &str, path: &str) -> bool {
     let url = format!("{}{path}", target.base_url);
     let deleted = target
         .client
@@ -255,6 +255,9 @@ fn urlencode(s: &str) -> String {
 pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
     if target.api.speaks_e2b() {
         return sweep_run_e2b(target, run_id).await;
+    }
+    if target.api == crate::profile::Api::AgentSandbox {
+        return crate::agent_sandbox::sweep_run(target, run_id).await;
     }
     let mut sweep = RunSweep::default();
     let mut errors = Vec::new();
@@ -552,6 +555,10 @@ mod tests {
             crate::scenario::load_dir(&crate::profile::Api::E2b.catalog(&dir))
                 .expect("the E2B catalog parses"),
         );
+        catalog.extend(
+            crate::scenario::load_dir(&crate::profile::Api::AgentSandbox.catalog(&dir))
+                .expect("the Agent Sandbox catalog parses"),
+        );
         let tagged = |v: Option<&Value>| {
             v.and_then(|m| m.get(RUN_TAG)).and_then(Value::as_str) == Some("{{run_id}}")
         };
@@ -578,7 +585,7 @@ mod tests {
                 }
                 let body = r.json.as_ref().map(|j| &j.value);
                 let ok = match r.path.raw.as_str() {
-                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" => {
+                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes" | "/v1/agents/sessions" => {
                         tagged(body.and_then(|b| b.get("metadata")))
                     }
                     "/v1/sessions" => {

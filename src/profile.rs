@@ -5,7 +5,8 @@
 //! `/v1` targets say what they support at `GET /v1/capabilities`. E2B has no such endpoint,
 //! so an E2B target supports exactly the features the run is told of (`--assume-capability`);
 //! a scenario that requires anything else is skipped with that reason, and a skip is never a
-//! pass.
+//! pass. The Agent Sandbox profile is judged the same way; its own parts (clauses, the
+//! launched service, its stand-in's defects) live in [`crate::agent_sandbox`].
 
 use std::path::{Path, PathBuf};
 
@@ -20,6 +21,9 @@ pub enum Api {
     /// A sandbox MCP server driven over its stdio, checked on an E2B control plane
     /// (`docs/profiles/mcp.md`).
     Mcp,
+    /// The Agent Sandbox runtime service, `agent-sandbox-server`
+    /// (`docs/profiles/agent-sandbox.md`).
+    AgentSandbox,
 }
 
 /// The E2B clause document; scenarios of the E2B catalog cite its clause IDs.
@@ -33,6 +37,7 @@ impl Api {
             Api::V1 => "v1",
             Api::E2b => "e2b",
             Api::Mcp => "mcp",
+            Api::AgentSandbox => "agent-sandbox",
         }
     }
 
@@ -43,12 +48,13 @@ impl Api {
             Api::V1 => root.to_owned(),
             Api::E2b => root.join("e2b"),
             Api::Mcp => root.join("mcp"),
+            Api::AgentSandbox => root.join(crate::agent_sandbox::CATALOG_FOLDER),
         }
     }
 
     /// The folders of a catalog root that belong to other profiles than `/v1`.
     pub fn profile_folders() -> &'static [&'static str] {
-        &["e2b", "mcp"]
+        &["e2b", "mcp", crate::agent_sandbox::CATALOG_FOLDER]
     }
 
     /// Whether the target is an E2B control plane (the E2B profile, and the MCP profile's
@@ -65,7 +71,7 @@ impl Api {
     /// The request header a principal's credential goes in, and its value for `token`.
     pub fn credential(self, token: &str) -> (&'static str, String) {
         match self {
-            Api::V1 => ("Authorization", format!("Bearer {token}")),
+            Api::V1 | Api::AgentSandbox => ("Authorization", format!("Bearer {token}")),
             Api::E2b | Api::Mcp => ("X-API-Key", token.to_owned()),
         }
     }
@@ -130,5 +136,9 @@ mod tests {
             ("Authorization", "Bearer t".into())
         );
         assert_eq!(Api::E2b.credential("t"), ("X-API-Key", "t".into()));
+        assert_eq!(
+            Api::AgentSandbox.credential("t"),
+            ("Authorization", "Bearer t".into())
+        );
     }
 }

@@ -68,6 +68,9 @@ pub struct Capabilities {
     pub retention: BTreeMap<String, i64>,
     pub server_name: Option<String>,
     pub server_version: Option<String>,
+    /// The directory a profile without `/v1/capabilities` confines files to, as scenarios
+    /// see it (`{{base_dir}}`): the launched service's, or `--base-dir`.
+    pub base_dir: Option<String>,
     /// The document as received, for the report.
     pub raw: serde_json::Value,
 }
@@ -129,6 +132,7 @@ impl Capabilities {
                 .and_then(|s| s.get("version"))
                 .and_then(|n| n.as_str())
                 .map(str::to_owned),
+            base_dir: None,
             raw,
         })
     }
@@ -233,6 +237,8 @@ pub struct Target {
     /// The server processes (and the database) the runner may kill, restart, stop and start:
     /// present only on a deployment started for one fault-injecting scenario.
     pub control: Option<Control>,
+    /// A service the runner launched for another profile (`--launch`); stopped on drop.
+    service: Option<tokio::sync::Mutex<crate::agent_sandbox::LaunchedService>>,
 }
 
 /// A second base URL serving the same deployment as the target, with the same principals'
@@ -361,7 +367,78 @@ impl Target {
             _server: None,
             launcher: None,
             control: None,
+            service: None,
         })
+    }
+
+    /// A target the runner launched itself (`--launch`), speaking `api`; the service is
+    /// stopped when the target is dropped. Scenarios see its base directory as
+    /// `{{base_dir}}`. Its `GET /capabilities` document, when it serves one, is kept for the
+    /// report (and its `server_version`), never read for features.
+    pub async fn launched(
+        api: crate::profile::Api,
+        service: crate::agent_sandbox::LaunchedService,
+    ) -> Result<Target, TargetError> {
+        let client = build_client(None)?;
+        let (name, value) = api.credential(&service.tokens.owner);
+        let document = match client
+            .get(format!("{}/capabilities", service.url))
+            .header(name, value)
+            .timeout(DEFAULT_REQUEST_TIMEOUT)
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+            _ => None,
+        };
+        let capabilities = Capabilities {
+            base_dir: Some(service.base_dir().display().to_string()),
+            server_version: document
+                .as_ref()
+                .and_then(|d| d.get("server_version"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            raw: document.unwrap_or_default(),
+            ..Capabilities::default()
+        };
+        Ok(Target {
+            canary: crate::evidence::new_canary(),
+            base_url: service.url.clone(),
+            client,
+            tokens: service.tokens.clone(),
+            capabilities,
+            api,
+            envd_domain: None,
+            ca: None,
+            peer: None,
+            wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            mcp: None,
+            _server: None,
+            launcher: None,
+            control: None,
+            service: Some(tokio::sync::Mutex::new(service)),
+        })
+    }
+
+    /// Whether the runner started the target and so can restart it (`restart` steps).
+    pub fn can_restart(&self) -> bool {
+        self.service.is_some()
+    }
+
+    /// Stops the launched service and starts it again on the same address, with the same
+    /// principals and directories; answers once it is healthy.
+    pub async fn restart(&self) -> Result<(), String> {
+        let service = self
+            .service
+            .as_ref()
+            .ok_or("the runner did not start the target, so it cannot restart it")?;
+        service
+            .lock()
+            .await
+            .restart()
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// The same target speaking `api`. For a profile without a capabilities endpoint what
@@ -400,6 +477,7 @@ impl Target {
             _server: None,
             launcher: None,
             control: None,
+            service: None,
         })
     }
 
@@ -451,6 +529,7 @@ impl Target {
             _server: Some(server),
             launcher: Some(options.clone()),
             control: None,
+            service: None,
         })
     }
 }
@@ -517,6 +596,7 @@ impl Target {
                 servers: tokio::sync::Mutex::new(servers),
                 cluster,
             }),
+            service: None,
         }
         .speaking(self.api);
         // What the run was told to assume or drop holds here too.

@@ -227,7 +227,13 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             "database_control" if !target.database_controllable() => {
                 return Some(crate::target::NO_DATABASE_CONTROL.to_owned());
             }
-            "peer" | "admin_token" | "server_control" | "database_control" => continue,
+            "restart" if !target.can_restart() => {
+                return Some(
+                    "the runner did not start the target (--launch), so it cannot restart it"
+                        .into(),
+                );
+            }
+            "peer" | "admin_token" | "server_control" | "database_control" | "restart" => continue,
             _ => {}
         }
         if !target.capabilities.has(&cap.value) {

@@ -21,6 +21,7 @@ mod mcp;
 mod parallel;
 mod poll;
 mod request;
+mod restart;
 mod sleep;
 mod snapshot;
 mod sse;
@@ -87,6 +88,7 @@ macro_rules! dispatch {
                 let $k = &fault::Inject(fault::FaultKind::StartDatabase, &f.value);
                 $body
             }
+            Step::Restart($k) => $body,
         }
     };
 }

@@ -51,6 +51,12 @@ impl<'a> Vars<'a> {
             "uuid" => Ok(Value::String(uuid_v4())),
             "rand" => Ok(Value::String(format!("{}", rand::random::<u32>()))),
             "provider.default" => Ok(Value::String(self.caps.default_provider().to_owned())),
+            "base_dir" => self
+                .caps
+                .base_dir
+                .as_ref()
+                .map(|d| Value::String(d.clone()))
+                .ok_or_else(|| VarError::NotAdvertised("a base directory (--base-dir)".into())),
             "provider.other" => self
                 .caps
                 .other_provider()

@@ -217,6 +217,7 @@ pub enum Step {
     StopDatabase(Located<Fault>),
     /// Starts the deployment's database server again.
     StartDatabase(Located<Fault>),
+    Restart(Restart),
 }
 
 impl Step {
@@ -267,6 +268,7 @@ impl Step {
             | Step::RestartServer(f)
             | Step::StopDatabase(f)
             | Step::StartDatabase(f) => f.value.name.as_deref(),
+            Step::Restart(r) => Some(r.name.value.as_str()),
             Step::Request(_)
             | Step::Poll(_)
             | Step::Sse(_)
@@ -294,6 +296,7 @@ impl Step {
             Step::RestartServer(_) => "restart_server",
             Step::StopDatabase(_) => "stop_database",
             Step::StartDatabase(_) => "start_database",
+            Step::Restart(_) => "restart",
         }
     }
 }
@@ -563,6 +566,10 @@ pub struct Sse {
     /// numbers.
     #[serde(default)]
     pub id_gaps: bool,
+    /// Framing checks the ids only, not a `seq` in the data (profiles whose events carry
+    /// none, such as the Agent Sandbox's).
+    #[serde(default)]
+    pub ids_only: bool,
     /// Also read the stream with the `eventsource-client` crate and require the same event
     /// types and ids. On unless set to `false` (for a step where a second concurrent stream
     /// would change the outcome, such as a stream-quota check).
@@ -705,6 +712,17 @@ pub struct Fault {
     /// Which server process; the database steps take none.
     #[serde(default)]
     pub via: Via,
+}
+
+/// Stop the service under test and start it again, with the same port, principals and
+/// directories, once it is healthy. Only a service the runner launched can be restarted: a
+/// scenario with this step must `require: [restart]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Restart {
+    /// A short name for messages, the transcript and `fails_at` (required: a restart is a
+    /// moment the scenario's later steps are read against).
+    pub name: Located<String>,
 }
 
 /// A bounded pause. Prefer `poll`.

@@ -52,6 +52,7 @@ pub const CAPABILITIES: &[&str] = &[
     "admin_token",
     "server_control",
     "database_control",
+    "restart",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the
@@ -308,6 +309,18 @@ impl Checker<'_> {
                 }
                 continue;
             }
+            if c.value.starts_with("ASB-") {
+                if !crate::agent_sandbox::is_clause(&c.value) {
+                    self.err(
+                        Pos::of(c),
+                        format!(
+                            "clause `{}` is not defined in docs/profiles/agent-sandbox.md",
+                            c.value
+                        ),
+                    );
+                }
+                continue;
+            }
             if c.value.starts_with("E2B-") {
                 if !crate::profile::is_e2b_clause(&c.value) {
                     self.err(
@@ -340,6 +353,7 @@ impl Checker<'_> {
         let cites_must = s.clauses.iter().any(|c| {
             c.value.starts_with("E2B-")
                 || crate::profile::is_mcp_must_clause(&c.value)
+                || c.value.starts_with("ASB-")
                 || super::clauses::clause(&c.value).is_some_and(|k| k.level == Level::Must)
         });
         if s.level == Level::Must && !s.clauses.is_empty() && !cites_must {
@@ -362,13 +376,20 @@ impl Checker<'_> {
             }
         }
         let mut named = BTreeSet::new();
+        // The Agent Sandbox profile's scenarios run against a real service: their defects
+        // are its stand-in's, not the reference server's.
+        let stand_in = s.clauses.iter().any(|c| c.value.starts_with("ASB-"));
         for control in &s.defects {
             let defect = &control.defect;
-            if defect
-                .value
-                .parse::<reference_server::defects::Defect>()
-                .is_err()
-            {
+            let known = if stand_in {
+                crate::agent_sandbox::DEFECTS.contains(&defect.value.as_str())
+            } else {
+                defect
+                    .value
+                    .parse::<reference_server::defects::Defect>()
+                    .is_ok()
+            };
+            if !known {
                 self.err(
                     Pos::of(defect),
                     format!("unknown defect `{}`", defect.value),
@@ -398,7 +419,9 @@ impl Checker<'_> {
                 ),
             }
         }
-        if s.level == Level::Must && s.defects.is_empty() {
+        // An Agent Sandbox scenario that fails against the real service shows by that that it
+        // can fail; `tests/agent_sandbox.rs` requires every MUST one without a defect to.
+        if s.level == Level::Must && s.defects.is_empty() && !stand_in {
             self.err(
                 Pos::of(&s.id),
                 "a MUST scenario must name the defects it catches, each with the step it fails at",
@@ -583,6 +606,14 @@ impl Checker<'_> {
                     self.err(
                         Pos::of(&s.ms),
                         format!("`sleep` is bounded to {MAX_SLEEP_MS} ms; use `poll`"),
+                    );
+                }
+            }
+            Step::Restart(r) => {
+                if !ctx.requires.contains("restart") {
+                    self.err(
+                        Pos::of(&r.name),
+                        "a `restart` step needs `requires: [restart]` (only a launched service can be restarted)",
                     );
                 }
             }
@@ -1086,7 +1117,9 @@ enum Builtin {
 
 fn builtin(name: &str) -> Option<Builtin> {
     match name {
-        "run_id" | "canary" | "uuid" | "rand" | "provider.default" => Some(Builtin::Known),
+        "run_id" | "canary" | "uuid" | "rand" | "provider.default" | "base_dir" => {
+            Some(Builtin::Known)
+        }
         "provider.other" => Some(Builtin::OtherProvider),
         _ => {
             if let Some(key) = name.strip_prefix("limits.") {

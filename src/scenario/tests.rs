@@ -517,7 +517,7 @@ fn what_goes_beyond_the_contract_must_be_declared() {
     );
     check_err(
         &header("requires: [teleport]\nsteps:\n  - request: {method: GET, path: /v1/x}\n"),
-        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control)",
+        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control, restart)",
     );
     // Declared, they parse; an empty model names no script (a validation check).
     let text = header(
@@ -653,5 +653,40 @@ fn fault_steps_parse_with_labels_and_need_their_control() {
     check_err(
         &header("requires: [server_control]\nsteps:\n  - kill_server: {signal: TERM}\n"),
         "bad.yaml:7:",
+    );
+}
+
+#[test]
+fn agent_sandbox_clauses_defects_and_restarts_are_checked() {
+    let asb = |clause: &str, extra: &str, step: &str| {
+        format!("id: ASB-X-001\ntitle: t\nclauses: [{clause}]\nlevel: MUST\n{extra}steps:\n{step}")
+    };
+    let sleep = "  - sleep: {ms: 1}\n";
+    // A MUST scenario of this profile may name no defect: its test requires it to fail
+    // against the package instead.
+    assert!(parse_str(Path::new("ok.yaml"), &asb("ASB-AUTH-1", "", sleep)).is_ok());
+    check_err(
+        &asb("ASB-AUTH-99", "", sleep),
+        "bad.yaml:3:11: clause `ASB-AUTH-99` is not defined in docs/profiles/agent-sandbox.md",
+    );
+    // Its defects are the stand-in's, not the reference server's.
+    let stand_in = "defects:\n  - {defect: asb-sessions-shared, fails_at: sleep}\n";
+    assert!(parse_str(Path::new("ok.yaml"), &asb("ASB-TEN-1", stand_in, sleep)).is_ok());
+    let reference = "defects:\n  - {defect: foreign-object-visible, fails_at: sleep}\n";
+    check_err(
+        &asb("ASB-TEN-1", reference, sleep),
+        "bad.yaml:6:14: unknown defect `foreign-object-visible`",
+    );
+    let restart = "  - restart: {name: again}\n";
+    check_err(
+        &asb("ASB-DUR-1", "", restart),
+        "bad.yaml:6:21: a `restart` step needs `requires: [restart]`",
+    );
+    assert!(
+        parse_str(
+            Path::new("ok.yaml"),
+            &asb("ASB-DUR-1", "requires: [restart]\n", restart)
+        )
+        .is_ok()
     );
 }

@@ -279,6 +279,8 @@ pub struct Framing {
     previous: Option<u64>,
     /// The stream is a filtered view of its log (SSE-7.6): ids must only increase.
     gaps: bool,
+    /// Another protocol's stream: its data carries no `seq` to match the id.
+    ids_only: bool,
 }
 
 impl Framing {
@@ -287,6 +289,16 @@ impl Framing {
         Framing {
             previous: after,
             gaps: false,
+            ids_only: false,
+        }
+    }
+
+    /// Checks the ids only (present, numeric, increasing), not a `seq` in the data: for
+    /// profiles whose events do not carry one.
+    pub fn ids_only(self) -> Self {
+        Framing {
+            ids_only: true,
+            ..self
         }
     }
 
@@ -335,6 +347,9 @@ impl Framing {
             faults.push(Fault::NonMonotonicId { previous, id: n });
         }
         self.previous = Some(n);
+        if self.ids_only {
+            return faults;
+        }
         if let Some(json) = json {
             let seq = json.get("seq").and_then(serde_json::Value::as_u64);
             if seq != Some(n) {
@@ -558,6 +573,30 @@ mod tests {
         assert_eq!(
             viewed(&["2"], Some(2)),
             vec![Fault::NonMonotonicId { previous: 2, id: 2 }]
+        );
+    }
+
+    #[test]
+    fn framing_of_ids_only_needs_no_seq_but_still_refuses_repeats() {
+        let checked = |ids: &[&str]| {
+            let mut f = Framing::after(Some(0)).allowing_gaps().ids_only();
+            ids.iter()
+                .flat_map(|id| {
+                    let e = Event {
+                        event: "x".into(),
+                        data: r#"{"event_id":"evt_1"}"#.into(),
+                        data_lines: 1,
+                        id: Some((*id).into()),
+                        last_event_id: String::new(),
+                    };
+                    f.check(&e)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(checked(&["1", "2", "4"]), vec![]);
+        assert_eq!(
+            checked(&["1", "4", "4"]),
+            vec![Fault::NonMonotonicId { previous: 4, id: 4 }]
         );
     }
 

@@ -226,6 +226,9 @@ impl Ctx<'_> {
         if s.id_gaps {
             framing = framing.allowing_gaps();
         }
+        if s.ids_only {
+            framing = framing.ids_only();
+        }
         let mut events = Vec::new();
         for timed in &record.items {
             let at_ms = ms(timed.at);

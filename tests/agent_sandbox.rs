@@ -1,0 +1,345 @@
+//! The Agent Sandbox profile against the real `agent-sandbox-server` from PyPI: the pinned
+//! release is installed in a virtualenv, `sandspec run --api agent-sandbox --launch ...` runs
+//! the whole profile against it, and the normalized summary (scenario, outcome, failed step,
+//! reason) is an insta snapshot, so that a release that fixes or breaks something shows up as
+//! a reviewed diff. Then every MUST scenario must be able to fail: against the stand-in (the
+//! same service with one deliberate defect of `fixtures/agent-sandbox/defects.py`) each must
+//! fail at the step it names, and one that names no defect must fail against the package
+//! itself.
+//!
+//! Without python3 or PyPI the tests say so and skip; under `CI=true` that is a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::LazyLock;
+
+use sandspec::agent_sandbox::{DEFECT_ENV, DEFECTS, LaunchedService};
+use sandspec::engine::{Outcome, run_scenario};
+use sandspec::profile::Api;
+use sandspec::scenario::{Level, LoadedScenario, load_dir};
+use sandspec::target::Target;
+
+/// The release this profile is pinned against (docs/profiles/agent-sandbox.md).
+const PACKAGE: &str = "agent-sandbox-server==0.4.0a6";
+
+static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+});
+
+/// The `agent-sandbox-server` executable of a virtualenv under the target directory,
+/// installed once; `None` (a visible skip) when it cannot be, which fails under `CI=true`.
+fn service_bin() -> Option<PathBuf> {
+    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let unavailable = |why: String| {
+        assert!(!in_ci, "{PACKAGE} is required in CI: {why}");
+        eprintln!("SKIPPED: {PACKAGE} is unavailable: {why}");
+        None
+    };
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("agent-sandbox-server-0.4.0a6-venv");
+    let bin = venv.join("bin").join("agent-sandbox-server");
+    let _guard = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+    if !bin.exists() {
+        match Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
+        }
+        let pip = venv.join("bin").join("pip");
+        match Command::new(&pip)
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--pre",
+                PACKAGE,
+            ])
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => {
+                let _ = std::fs::remove_dir_all(&venv);
+                return unavailable(format!("pip install {PACKAGE} failed: {other:?}"));
+            }
+        }
+    }
+    Some(bin)
+}
+
+/// The `--launch` command for the package, with the stand-in's defect when given.
+fn launch_command(bin: &Path, defect: Option<&str>) -> String {
+    let serve = format!(
+        "PATH={}:\"$PATH\" ABX_AGENTS_STATE_DIR=\"$SANDSPEC_STATE_DIR\" {} serve --host 127.0.0.1 --port \"$SANDSPEC_PORT\" --policy \"$SANDSPEC_POLICY\" --base-dir \"$SANDSPEC_BASE_DIR\"",
+        fixtures().join("bin").display(),
+        bin.display()
+    );
+    match defect {
+        None => serve,
+        Some(d) => format!(
+            "{DEFECT_ENV}={d} {serve} --commands {}",
+            fixtures().join("defects.py").display()
+        ),
+    }
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/agent-sandbox")
+}
+
+fn catalog() -> Vec<LoadedScenario> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    load_dir(&Api::AgentSandbox.catalog(&root)).expect("the agent-sandbox catalog parses")
+}
+
+/// One line per scenario of a receipt: ID, outcome, and the failed step and reason, with
+/// what changes from run to run (attempt counts) replaced.
+fn summary(receipt: &serde_json::Value) -> String {
+    let attempts = regex::Regex::new(r"after \d+ attempts").unwrap();
+    let mut lines = Vec::new();
+    for s in receipt["predicate"]["scenarios"]
+        .as_array()
+        .expect("scenarios")
+    {
+        let mut line = format!(
+            "{} {}",
+            s["id"].as_str().unwrap(),
+            s["outcome"].as_str().unwrap()
+        );
+        if let Some(reason) = s["reason"].as_str() {
+            line.push_str(": ");
+            line.push_str(&attempts.replace_all(reason, "after N attempts"));
+        }
+        lines.push(line);
+    }
+    lines.sort();
+    lines.join("\n") + "\n"
+}
+
+#[test]
+fn the_package_runs_the_profile_as_pinned() {
+    let Some(bin) = service_bin() else { return };
+    let out = tempfile::tempdir().unwrap();
+    let evidence = out.path().join("evidence");
+    let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(["run", "--api", "agent-sandbox", "--jobs", "1", "--out"])
+        .arg(&evidence)
+        .arg("--launch")
+        .arg(launch_command(&bin, None))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    // Not conformant: the findings of docs/findings/agent-sandbox-server-0.4.0a6.md.
+    assert_eq!(run.status.code(), Some(1), "stderr:\n{stderr}");
+    let receipt: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(evidence.join("receipt.json")).unwrap()).unwrap();
+    assert_eq!(receipt["predicate"]["target"]["kind"], "launched");
+    assert_eq!(receipt["predicate"]["target"]["server_version"], "0.4.0a6");
+    let verify = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(["evidence", "verify"])
+        .arg(&evidence)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    // Every session a scenario made was removed by its own cleanup; the sweep found nothing,
+    // and no session of anything else was there to ignore (the state directory is the run's).
+    let cleanup = &receipt["predicate"]["cleanup"];
+    assert_eq!(cleanup["swept"], serde_json::json!([]), "{cleanup}");
+    assert!(cleanup["run_sweep"]["error"].is_null(), "{cleanup}");
+    assert_eq!(
+        cleanup["run_sweep"]["ignored"],
+        serde_json::json!([]),
+        "{cleanup}"
+    );
+    let summary = summary(&receipt);
+    // Every scenario of the catalog ran: none is missing from the pinned summary.
+    assert_eq!(summary.lines().count(), catalog().len(), "{summary}");
+    // A MUST scenario that names no stand-in defect shows that it can fail by failing here.
+    for s in catalog() {
+        if s.scenario.level == Level::Must && s.scenario.defects.is_empty() {
+            assert!(
+                summary.contains(&format!("{} fail", s.id())),
+                "{} names no defect, so it must fail against the package:\n{summary}",
+                s.id()
+            );
+        }
+    }
+    insta::assert_snapshot!("agent_sandbox_server_0_4_0a6", summary);
+}
+
+#[test]
+fn every_must_scenario_fails_against_its_defect() {
+    let Some(bin) = service_bin() else { return };
+    let mut controls = 0;
+    for s in catalog() {
+        for control in &s.scenario.defects {
+            let defect = control.defect.value.as_str();
+            let expected = s
+                .scenario
+                .fails_at(control)
+                .expect("fails_at names one step");
+            let outcome = RUNTIME.block_on(async {
+                let service = LaunchedService::start(&launch_command(&bin, Some(defect)))
+                    .await
+                    .expect("the stand-in starts");
+                let target = Target::launched(Api::AgentSandbox, service).await.unwrap();
+                let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
+                run_scenario(&target, &s.scenario, &run_id).await.outcome
+            });
+            match outcome {
+                Outcome::Fail { step, reason } => assert_eq!(
+                    step,
+                    expected,
+                    "{} against `{defect}` must fail at `{expected}`, failed at `{step}`: {reason}",
+                    s.id()
+                ),
+                other => panic!("{} against `{defect}`: expected FAIL, got {other}", s.id()),
+            }
+            controls += 1;
+        }
+    }
+    // Each defect of the stand-in is some scenario's control.
+    assert_eq!(controls, DEFECTS.len());
+}
+
+#[test]
+fn each_defect_is_some_must_scenarios_control() {
+    let named: std::collections::BTreeSet<String> = catalog()
+        .iter()
+        .filter(|s| s.scenario.level == Level::Must)
+        .flat_map(|s| s.scenario.defects.iter().map(|c| c.defect.value.clone()))
+        .collect();
+    let all: std::collections::BTreeSet<String> = DEFECTS.iter().map(|d| d.to_string()).collect();
+    assert_eq!(named, all);
+}
+
+#[test]
+fn the_stand_in_defines_exactly_the_defects_the_runner_knows() {
+    let text = std::fs::read_to_string(fixtures().join("defects.py")).unwrap();
+    let table = text
+        .split("_DEFECTS = {")
+        .nth(1)
+        .and_then(|rest| rest.split('}').next())
+        .expect("a _DEFECTS table");
+    let names: std::collections::BTreeSet<&str> = table
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix('"')?.split('"').next())
+        .collect();
+    let known: std::collections::BTreeSet<&str> = DEFECTS.iter().copied().collect();
+    assert_eq!(names, known);
+}
+
+#[test]
+fn an_unknown_stand_in_defect_stops_the_service_instead_of_running_without_it() {
+    let Some(bin) = service_bin() else { return };
+    let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(["run", "--api", "agent-sandbox", "--launch"])
+        .arg(launch_command(&bin, Some("asb-no-such-defect")))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(3), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("unknown defect 'asb-no-such-defect'"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn launch_belongs_to_the_agent_sandbox_profile_and_the_profile_needs_a_target() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = run(&["run", "--launch", "true"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--launch starts the service of `--api agent-sandbox`"));
+    let (code, stderr) = run(&["run", "--api", "agent-sandbox"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("needs --launch COMMAND or --target URL"));
+}
+
+#[test]
+fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
+    let Some(bin) = service_bin() else { return };
+    let service = RUNTIME
+        .block_on(LaunchedService::start(&launch_command(&bin, None)))
+        .expect("the service starts");
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(["run", "--api", "agent-sandbox", "--filter", "ASB-DUR-001"])
+        .args(["--target", &service.url])
+        .args([
+            "--owner-token-env",
+            "ASB_OWNER",
+            "--other-token-env",
+            "ASB_OTHER",
+        ])
+        .arg("--base-dir")
+        .arg(service.base_dir())
+        .arg("--out")
+        .arg(out.path().join("evidence"))
+        .env("ASB_OWNER", &service.tokens.owner)
+        .env("ASB_OTHER", &service.tokens.other)
+        .output()
+        .unwrap();
+    let stderr = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // A skipped MUST scenario leaves the profile partial: not conformant, and said why.
+    assert_eq!(run.status.code(), Some(1), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("SKIP  ASB-DUR-001")
+            && stderr.contains(
+                "the runner did not start the target (--launch), so it cannot restart it"
+            ),
+        "{stderr}"
+    );
+    RUNTIME.block_on(async move { drop(service) });
+}
+
+#[test]
+fn the_profile_page_lists_every_scenario_with_its_clauses() {
+    let page = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/profiles/agent-sandbox.md"),
+    )
+    .unwrap();
+    for s in catalog() {
+        let clauses: Vec<&str> = s
+            .scenario
+            .clauses
+            .iter()
+            .map(|c| c.value.as_str())
+            .collect();
+        let row = format!(
+            "| `{}` | {:?} | {} |",
+            s.id(),
+            s.scenario.level,
+            clauses.join(", ")
+        )
+        .replace("| Must |", "| MUST |")
+        .replace("| Should |", "| SHOULD |");
+        assert!(
+            page.contains(&row),
+            "docs/profiles/agent-sandbox.md lacks the row {row}"
+        );
+    }
+}
