@@ -147,6 +147,40 @@ impl LaunchedService {
         self.wait_healthy().await
     }
 
+    /// SIGKILL to the service's whole process group, as a crash: nothing of its shutdown
+    /// runs. Answers once the service's process has been reaped.
+    pub async fn kill(&mut self) -> Result<(), TargetError> {
+        if let Some(pid) = self.child.id().and_then(|p| i32::try_from(p).ok()) {
+            // SAFETY: killpg(2) on the process group our own unreaped child leads.
+            unsafe { libc::killpg(pid, libc::SIGKILL) };
+        }
+        let _ = self.child.start_kill();
+        self.child.wait().await.map_err(|e| TargetError::Spawn {
+            binary: format!("--launch `{}`", self.command),
+            reason: format!("waiting for the killed service: {e}"),
+        })?;
+        Ok(())
+    }
+
+    /// Starts the command again after a kill, on the same port, tokens and directories,
+    /// and waits until it is healthy; `Ok(false)` when the service is running (nothing to
+    /// start).
+    pub async fn start_again(&mut self) -> Result<bool, TargetError> {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            return Ok(false);
+        }
+        self.log.lock().expect("log lock").clear();
+        self.child = spawn(
+            &self.command,
+            self.dir.path(),
+            self.port,
+            &self.tokens,
+            &self.log,
+        )?;
+        self.wait_healthy().await?;
+        Ok(true)
+    }
+
     /// The base directory as scenarios see it (`{{base_dir}}`).
     pub fn base_dir(&self) -> PathBuf {
         self.dir.path().join("base")

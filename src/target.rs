@@ -426,6 +426,24 @@ impl Target {
         self.service.is_some()
     }
 
+    /// SIGKILL to the launched service (`kill_server` on a `--launch` target).
+    pub async fn kill_service(&self) -> Result<(), String> {
+        let service = self.service.as_ref().ok_or(NO_SERVER_CONTROL)?;
+        service.lock().await.kill().await.map_err(|e| e.to_string())
+    }
+
+    /// Starts the launched service again after a kill (`restart_server` on a `--launch`
+    /// target); `Ok(false)` when it is running.
+    pub async fn start_service(&self) -> Result<bool, String> {
+        let service = self.service.as_ref().ok_or(NO_SERVER_CONTROL)?;
+        service
+            .lock()
+            .await
+            .start_again()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
     /// Stops the launched service and starts it again on the same address, with the same
     /// principals and directories; answers once it is healthy.
     pub async fn restart(&self) -> Result<(), String> {
@@ -688,7 +706,7 @@ impl Target {
     /// Whether a scenario requiring `server_control` can run here (on this target, or on a
     /// deployment of its own started like it).
     pub fn server_controllable(&self) -> bool {
-        self.control.is_some() || self.launcher.is_some()
+        self.control.is_some() || self.launcher.is_some() || self.service.is_some()
     }
 
     /// Whether a scenario requiring `database_control` can run here.

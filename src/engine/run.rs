@@ -97,7 +97,10 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     // sees its server die or its database stop.
     let server_control = requires(scenario, "server_control");
     let database_control = requires(scenario, "database_control");
-    if (server_control || database_control) && target.control.is_none() {
+    // A launched service is the deployment the runner controls already (its scenarios are
+    // `exclusive`).
+    if (server_control || database_control) && target.control.is_none() && !target.can_restart()
+    {
         return match target.start_controlled(database_control).await {
             Some(Ok(own)) => {
                 let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;

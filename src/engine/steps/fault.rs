@@ -42,18 +42,29 @@ impl StepKind for Inject<'_> {
     }
 
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
-        // The scenario requires the control, so it runs only on a deployment that has it.
-        let control = ctx.target.control.as_ref().ok_or_else(|| {
-            StepError::Error("the runner controls no server process of this target".into())
-        })?;
+        // The scenario requires the control, so it runs only on a deployment that has it: one
+        // the runner started for it, or a service it launched (`--launch`), which has one
+        // server process and no database the runner holds.
         let peer = self.1.via == Via::Peer;
         let at_ms = ctx.at();
         let began = Instant::now();
-        let done = match self.0 {
-            FaultKind::KillServer => control.kill_server(peer).await.map(|()| true),
-            FaultKind::RestartServer => control.restart_server(peer).await,
-            FaultKind::StopDatabase => control.stop_database().await.map(|()| true),
-            FaultKind::StartDatabase => control.start_database().await.map(|()| true),
+        let done = if let Some(control) = ctx.target.control.as_ref() {
+            match self.0 {
+                FaultKind::KillServer => control.kill_server(peer).await.map(|()| true),
+                FaultKind::RestartServer => control.restart_server(peer).await,
+                FaultKind::StopDatabase => control.stop_database().await.map(|()| true),
+                FaultKind::StartDatabase => control.start_database().await.map(|()| true),
+            }
+        } else if ctx.target.can_restart() && !peer {
+            match self.0 {
+                FaultKind::KillServer => ctx.target.kill_service().await.map(|()| true),
+                FaultKind::RestartServer => ctx.target.start_service().await,
+                FaultKind::StopDatabase | FaultKind::StartDatabase => {
+                    Err("the runner holds no database of a launched service".into())
+                }
+            }
+        } else {
+            Err("the runner controls no server process of this target".into())
         };
         let took_ms = ms(began.elapsed());
         let acted = done.map_err(|e| StepError::Error(format!("{}: {e}", self.0.name())))?;
