@@ -464,7 +464,22 @@ impl Target {
     /// target of that profile is.
     pub fn speaking(mut self, api: crate::profile::Api) -> Target {
         if !api.has_capabilities_endpoint() {
-            self.capabilities = Capabilities::default();
+            // In the MCP profile the reference server is the control plane, a fixture and not
+            // what is judged: its test controls stay usable (a create held in flight).
+            let keep: Vec<String> = match api {
+                crate::profile::Api::Mcp => self
+                    .capabilities
+                    .features
+                    .iter()
+                    .filter(|f| *f == "test_controls")
+                    .cloned()
+                    .collect(),
+                _ => Vec::new(),
+            };
+            self.capabilities = Capabilities {
+                features: keep,
+                ..Capabilities::default()
+            };
         }
         self.api = api;
         self

@@ -322,56 +322,96 @@ async fn a_bad_argument_is_a_tool_error_and_changes_nothing() {
 async fn a_create_in_flight_at_shutdown_is_disposed_of_when_it_completes() {
     let cp = ControlPlane::start().await;
     let borrowed = cp.borrowed_sandbox().await;
+    let before = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
     let mut session = cp.mcp(&[]).await;
     session
         .call_tool("connect_sandbox", json!({"handle": borrowed}))
         .await
         .expect("connect");
-    let late = shutdown_during_a_create(&cp, &mut session, Some(&borrowed)).await;
+    let late = shutdown_during_a_create(&cp, &mut session).await;
     let (status, _) = cp
         .call(Method::GET, &format!("/sandboxes/{late}"), None)
         .await;
     assert_eq!(status, 404, "the late sandbox leaked");
     assert_eq!(
         cp.listed().await,
-        vec![borrowed],
+        vec![borrowed.clone()],
         "only the late sandbox is disposed of"
+    );
+    let after = cp
+        .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
+        .await;
+    assert_eq!(
+        (&after.1["state"], &after.1["endAt"]),
+        (&before.1["state"], &before.1["endAt"]),
+        "the borrowed sandbox changed"
     );
 }
 
-/// Starts a create that the control plane holds for a while, waits until the control plane
-/// has its record (besides `borrowed`), and ends the session with the create still in flight:
-/// the late sandbox's ID.
-async fn shutdown_during_a_create(
-    cp: &ControlPlane,
-    session: &mut McpSession,
-    borrowed: Option<&str>,
-) -> String {
+#[tokio::test]
+async fn defect_late_create_leaks_leaves_the_late_sandbox_running() {
+    let cp = ControlPlane::start().await;
+    let mut session = cp.mcp(&["mcp-late-create-leaks"]).await;
+    let late = shutdown_during_a_create(&cp, &mut session).await;
+    let (status, body) = cp
+        .call(Method::GET, &format!("/sandboxes/{late}"), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        cp.listed().await,
+        vec![late],
+        "the late sandbox is left running"
+    );
+}
+
+/// The sandbox ID `shutdown_during_a_create` pins for the late create, as E2B names it.
+const LATE: &str = "mcp5latecreate000000000000";
+
+/// Pins the next sandbox's ID, holds creates, sends a create without waiting for its answer,
+/// waits until the control plane has the held sandbox's record (it answers while the create
+/// is held), and ends the session with the create still in flight: the late sandbox's ID.
+async fn shutdown_during_a_create(cp: &ControlPlane, session: &mut McpSession) -> String {
     let http = reqwest::Client::new();
-    let resp = http
-        .post(format!("{}/v1/test/providers/local/create_delay", cp.base))
-        .bearer_auth("admin-token")
-        .json(&json!({"delay_ms": 3000}))
-        .send()
+    let admin = |path: &str, body: Value| {
+        http.post(format!("{}/v1/test/providers/local/{path}", cp.base))
+            .bearer_auth("admin-token")
+            .json(&body)
+            .send()
+    };
+    let pinned = admin(
+        "next_local_id",
+        json!({"kind": "sandbox", "local_id": format!("sbx_{LATE}")}),
+    )
+    .await
+    .expect("next_local_id");
+    assert_eq!(pinned.status().as_u16(), 204);
+    let held = admin("create_delay", json!({"delay_ms": 3000}))
         .await
         .expect("create_delay");
-    assert_eq!(resp.status().as_u16(), 204);
+    assert_eq!(held.status().as_u16(), 204);
     let _in_flight = session
         .call_tool_in_flight("create_sandbox", serde_json::Map::new())
         .expect("send create");
-    let id = loop {
-        if let Some(id) = cp
-            .listed()
-            .await
-            .into_iter()
-            .find(|id| Some(id.as_str()) != borrowed)
-        {
-            break id;
+    let mut begun = false;
+    for _ in 0..1500 {
+        let (status, _) = cp
+            .call(Method::GET, &format!("/sandboxes/{LATE}"), None)
+            .await;
+        if status == 200 {
+            begun = true;
+            break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    }
+    assert!(begun, "the held create never showed on the control plane");
     session.shutdown(GRACE).await.expect("shutdown");
-    id
+    let released = admin("create_delay", json!({"delay_ms": 0}))
+        .await
+        .expect("create_delay");
+    assert_eq!(released.status().as_u16(), 204);
+    LATE.to_owned()
 }
 
 /// Installs `agent-sandbox-client==0.4.0a6` (PyPI) in a virtualenv under the target directory

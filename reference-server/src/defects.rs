@@ -191,6 +191,9 @@ pub enum Defect {
     McpBareHandles,
     /// `sandspec mcp` keeps a sandbox whose granted resources are below what was asked.
     McpUnverifiedResources,
+    /// `sandspec mcp` leaves running the sandbox of a create still in flight when the session
+    /// ended.
+    McpLateCreateLeaks,
 }
 
 impl Defect {
@@ -276,6 +279,7 @@ impl Defect {
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
+        Defect::McpLateCreateLeaks,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -361,6 +365,7 @@ impl Defect {
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
+            Defect::McpLateCreateLeaks => "mcp-late-create-leaks",
         }
     }
 
@@ -488,6 +493,9 @@ impl Defect {
             Defect::McpBareHandles => "MCP: handles are bare IDs without their provider",
             Defect::McpUnverifiedResources => {
                 "MCP: a sandbox granted less than the explicit requirement is kept"
+            }
+            Defect::McpLateCreateLeaks => {
+                "MCP: a create still in flight when the session ends leaves its sandbox running"
             }
         }
     }

@@ -260,7 +260,13 @@ impl<'a> Ctx<'a> {
         if !p.literal_auth
             && let Some(token) = self.token(p.principal)
         {
-            let (name, value) = self.target.api.credential(token);
+            // The admin token opens the test controls, which are on the native surface
+            // (`/v1/test/...`) whatever the profile: it always goes as a bearer token.
+            let api = match p.principal {
+                Principal::Admin => crate::profile::Api::V1,
+                _ => self.target.api,
+            };
+            let (name, value) = api.credential(token);
             b = b.header(name, value);
         }
         for (k, v) in &p.headers {

@@ -7,7 +7,8 @@
 //! - every handle it returns is provider-qualified (`e2b:<sandboxID>`);
 //! - an explicit `cpu` / `memory_mb` requirement is checked against the control plane's
 //!   readback, and a sandbox that falls short is killed and the create refused;
-//! - a create still in flight at shutdown is awaited and its sandbox, and only it, killed.
+//! - a create still in flight when the session ends is awaited and its sandbox, and only it,
+//!   killed.
 //!
 //! The control plane is named by `E2B_API_URL` and its key by `E2B_API_KEY`, as for E2B's own
 //! SDK. The session ends when stdin closes or on SIGTERM; cleanup runs before the process exits.
@@ -78,21 +79,67 @@ pub fn run_blocking(args: McpArgs) -> ExitCode {
 }
 
 /// Serves one MCP session on stdin/stdout, then disposes of what the session owns.
+///
+/// The session ends when stdin reaches EOF, and that is when it is marked ended: rmcp's serve
+/// loop, on EOF, first lets the requests it is serving finish (for up to a few seconds) before
+/// `waiting()` returns, and a create completing in that window must already count as late.
 pub async fn serve_stdio(control: ControlPlane, defects: Defects) -> anyhow::Result<()> {
     let tools = SandboxTools::new(control, defects);
+    let (eof_tx, eof_rx) = tokio::sync::oneshot::channel();
+    let stdin = EofSignal {
+        inner: tokio::io::stdin(),
+        eof: Some(eof_tx),
+    };
     let service = tools
         .clone()
-        .serve(rmcp::transport::stdio())
+        .serve((stdin, tokio::io::stdout()))
         .await
         .map_err(|e| anyhow::anyhow!("initialize the MCP session: {e}"))?;
+    let ender = tools.clone();
+    tokio::spawn(async move {
+        if eof_rx.await.is_ok() {
+            ender.end_session();
+        }
+    });
     let token = service.cancellation_token();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = service.waiting() => {}
-        _ = term.recv() => token.cancel(),
+        _ = term.recv() => {
+            tools.end_session();
+            token.cancel();
+        }
     }
     tools.shutdown().await;
     Ok(())
+}
+
+/// A reader that says once when it reaches EOF (a read that returns no bytes into a buffer
+/// with room for some).
+struct EofSignal<R> {
+    inner: R,
+    /// Fired at the first EOF.
+    eof: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for EofSignal<R> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let room = buf.remaining() > 0;
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let std::task::Poll::Ready(Ok(())) = &polled
+            && room
+            && buf.filled().len() == before
+            && let Some(tx) = self.eof.take()
+        {
+            let _ = tx.send(());
+        }
+        polled
+    }
 }
 
 /// Whether a defect is on, for the tools module.

@@ -201,6 +201,9 @@ impl SandboxTools {
             s.closed
         };
         if late {
+            if has(&self.defects, Defect::McpLateCreateLeaks) {
+                return refused("the session ended while the sandbox was being created");
+            }
             let _ = self.control.kill(&id).await;
             return refused("the session ended while the sandbox was being created; it was killed");
         }
@@ -266,6 +269,13 @@ impl SandboxTools {
             }
             Err(e) => control_refused(e),
         }
+    }
+
+    /// Marks the session as ended, as soon as its end is seen (stdin at EOF): from here on a
+    /// create that completes disposes of its own sandbox, even while the SDK is still
+    /// finishing the requests it was serving.
+    pub fn end_session(&self) {
+        lock(&self.state).closed = true;
     }
 
     /// The end of the session: kill what it created, leave what it borrowed, and wait for
