@@ -99,8 +99,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     let database_control = requires(scenario, "database_control");
     // A launched service is the deployment the runner controls already (its scenarios are
     // `exclusive`).
-    if (server_control || database_control) && target.control.is_none() && !target.can_restart()
-    {
+    if (server_control || database_control) && target.control.is_none() && !target.can_restart() {
         return match target.start_controlled(database_control).await {
             Some(Ok(own)) => {
                 let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;
