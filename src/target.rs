@@ -712,7 +712,7 @@ impl Control {
 
 /// Why a scenario that requires `server_control` is skipped on a target the runner did not
 /// start.
-pub const NO_SERVER_CONTROL: &str = "the runner does not control the target's server processes: it kills and restarts only a reference server it starts itself (not a --target URL)";
+pub const NO_SERVER_CONTROL: &str = "the runner does not control the target's server processes: it kills and restarts only a server it starts itself (the reference server, or a service it launched with --launch), never a --target URL";
 
 /// Why a scenario that requires `database_control` is skipped.
 pub const NO_DATABASE_CONTROL: &str = "the runner controls no database of the target: it stops and starts only a private PostgreSQL cluster it starts for a reference server on PostgreSQL (--database-url); SQLite has no database server to stop";
