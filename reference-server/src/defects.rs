@@ -161,6 +161,14 @@ pub enum Defect {
     E2bFileBytesAltered,
     /// envd does not check `X-Access-Token` on secure sandboxes.
     E2bAccessTokenUnchecked,
+    /// The host's whole filesystem is mounted read-only at `/host` inside every sandbox.
+    SandboxSeesHostFiles,
+    /// Sandboxes share the host's `/tmp`, writable, instead of a private one each.
+    SandboxSharesHostTmp,
+    /// Sandboxes have no PID namespace: the host's processes are listed in their `/proc`.
+    SandboxSeesHostProcesses,
+    /// Sandbox processes are not moved into the memory cgroup whose limit is read back.
+    SandboxMemoryUnenforced,
 }
 
 impl Defect {
@@ -233,6 +241,10 @@ impl Defect {
         Defect::E2bLateConnectLosesExit,
         Defect::E2bFileBytesAltered,
         Defect::E2bAccessTokenUnchecked,
+        Defect::SandboxSeesHostFiles,
+        Defect::SandboxSharesHostTmp,
+        Defect::SandboxSeesHostProcesses,
+        Defect::SandboxMemoryUnenforced,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -305,6 +317,10 @@ impl Defect {
             Defect::E2bLateConnectLosesExit => "e2b-late-connect-loses-exit",
             Defect::E2bFileBytesAltered => "e2b-file-bytes-altered",
             Defect::E2bAccessTokenUnchecked => "e2b-access-token-unchecked",
+            Defect::SandboxSeesHostFiles => "sandbox-sees-host-files",
+            Defect::SandboxSharesHostTmp => "sandbox-shares-host-tmp",
+            Defect::SandboxSeesHostProcesses => "sandbox-sees-host-processes",
+            Defect::SandboxMemoryUnenforced => "sandbox-memory-unenforced",
         }
     }
 
@@ -408,6 +424,10 @@ impl Defect {
             }
             Defect::E2bFileBytesAltered => "E2B: uploaded bytes that are not UTF-8 are altered",
             Defect::E2bAccessTokenUnchecked => "E2B: envd does not check the access token",
+            Defect::SandboxSeesHostFiles => "the host's files are visible inside sandboxes",
+            Defect::SandboxSharesHostTmp => "sandboxes share the host's /tmp",
+            Defect::SandboxSeesHostProcesses => "sandboxes see the host's processes",
+            Defect::SandboxMemoryUnenforced => "sandbox processes escape the memory limit",
         }
     }
 }

@@ -36,7 +36,9 @@ pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s"
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
 /// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
-/// endpoint, the test-controls admin token).
+/// endpoint, the test-controls admin token); `isolation` means
+/// `capabilities.isolation.namespaces` holds user, mount, pid and network; `memory_limit` means
+/// `capabilities.isolation.enforced` holds `memory`.
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
@@ -48,6 +50,8 @@ pub const CAPABILITIES: &[&str] = &[
     "two_providers",
     "peer",
     "admin_token",
+    "isolation",
+    "memory_limit",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the
