@@ -201,15 +201,11 @@ impl Namespacer {
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let fd = root_dir.as_raw_fd();
-        // SAFETY: runs in the child between fork and exec and only calls dup2(2), which is
-        // async-signal-safe; `fd` stays open in the parent until after the spawn.
+        // SAFETY: runs in the child between fork and exec and only calls dup2(2) and
+        // fcntl(2), which are async-signal-safe; `fd` stays open in the parent until after
+        // the spawn.
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
+            cmd.pre_exec(move || inherit_as_fd3(fd));
         }
         let mut child = cmd.spawn()?;
         let stdin = child.stdin.take();
@@ -223,8 +219,24 @@ impl Namespacer {
             },
         };
         holder.wait_ready(host_uid)?;
+        check_same_dir(&root_dir, &holder.view.view_path(WORKSPACE))?;
         drop(root_dir);
         Ok(holder)
+    }
+}
+
+/// Fails unless `inside` (the holder's `/workspace`, seen from the host) is the directory
+/// `root` is open on: what the sandbox works in must be its own files and nothing else.
+fn check_same_dir(root: &std::fs::File, inside: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let want = root.metadata()?;
+    let got = std::fs::metadata(inside)?;
+    if (want.dev(), want.ino()) == (got.dev(), got.ino()) {
+        Ok(())
+    } else {
+        Err(io::Error::other(
+            "the sandbox's /workspace is not its own directory",
+        ))
     }
 }
 
@@ -393,6 +405,28 @@ impl SandboxView {
     }
 }
 
+/// Makes `fd` the child's descriptor 3, open across exec. When `fd` already is 3, dup2(2)
+/// changes nothing and its close-on-exec flag would stay: bubblewrap would then find 3 free,
+/// open its own `/proc` there and bind that at `/workspace`. So that case clears the flag.
+///
+/// Called only between fork and exec.
+fn inherit_as_fd3(fd: i32) -> io::Result<()> {
+    const TARGET: i32 = 3;
+    // SAFETY: dup2(2) and fcntl(2) on descriptors of this process; no memory is involved.
+    let done = unsafe {
+        if fd == TARGET {
+            libc::fcntl(TARGET, libc::F_SETFD, 0)
+        } else {
+            libc::dup2(fd, TARGET)
+        }
+    };
+    if done < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// A fresh host uid for a sandbox.
 pub(super) fn allocate_uid() -> u32 {
     let random = ulid::Ulid::new().random() as u32;
@@ -421,4 +455,46 @@ fn find_program(name: &str) -> Option<PathBuf> {
         .chain(["/usr/bin", "/bin", "/usr/sbin", "/sbin"].map(PathBuf::from))
         .map(|d| d.join(name))
         .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The child's descriptor 3 after `inherit_as_fd3`, as `readlink /proc/self/fd/3` shows
+    /// it; `planted` first puts `dir` at 3 with close-on-exec, as when the parent's own
+    /// descriptor for it happens to be 3.
+    fn fd3_of_child(dir: &Path, planted: bool) -> String {
+        let file = std::fs::File::open(dir).unwrap();
+        let fd = file.as_raw_fd();
+        let mut cmd = Command::new("readlink");
+        cmd.arg("/proc/self/fd/3");
+        // SAFETY: only dup2(2) and fcntl(2) between fork and exec; `file` outlives the spawn.
+        unsafe {
+            cmd.pre_exec(move || {
+                if !planted {
+                    return inherit_as_fd3(fd);
+                }
+                if libc::dup2(fd, 3) < 0 || libc::fcntl(3, libc::F_SETFD, libc::FD_CLOEXEC) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                inherit_as_fd3(3)
+            });
+        }
+        let out = cmd.output().unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    }
+
+    #[test]
+    fn the_sandbox_directory_reaches_bubblewrap_as_fd_3_whatever_its_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let want = std::fs::canonicalize(dir.path()).unwrap();
+        for planted in [false, true] {
+            assert_eq!(
+                fd3_of_child(dir.path(), planted),
+                want.to_string_lossy(),
+                "planted at 3: {planted}"
+            );
+        }
+    }
 }

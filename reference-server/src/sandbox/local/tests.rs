@@ -970,7 +970,11 @@ async fn cgroups_of_a_crashed_instance_are_reaped_at_start() {
         }
         std::thread::yield_now();
     }
-    assert!(placed, "the orphan could not be placed in {}", stale.display());
+    assert!(
+        placed,
+        "the orphan could not be placed in {}",
+        stale.display()
+    );
 
     let other = fixture().await;
     assert!(other.provider.isolation().cgroups);
