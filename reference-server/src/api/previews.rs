@@ -221,7 +221,10 @@ async fn forward(
             !p.is_empty() && percent_decode(p.split('=').next().unwrap_or("")) != TOKEN_PARAM
         })
         .collect();
-    let mut target = format!("http://127.0.0.1:{}/{}", preview.port, rest);
+    // Origin form (`/path?query`): the request goes over a connection of its own, which
+    // writes the target as given, and a server expects origin form from a client (RFC 9112
+    // section 3.2.1); the `Host` header below names the authority.
+    let mut target = format!("/{rest}");
     if !upstream_query.is_empty() {
         target.push('?');
         target.push_str(&upstream_query.join("&"));
