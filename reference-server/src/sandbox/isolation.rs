@@ -176,6 +176,28 @@ impl Namespacer {
             args.push(OsString::from("/"));
             args.push(OsString::from("/host"));
         }
+        // bubblewrap makes the missing parents of a bind's destination private to root
+        // (0700), which the sandbox's uid could not pass through: they are made first, 0755.
+        let mut parents: Vec<&Path> = Vec::new();
+        for path in &self.exposed {
+            let mut chain: Vec<&Path> = path
+                .ancestors()
+                .skip(1)
+                .filter(|p| p.parent().is_some())
+                .collect();
+            chain.reverse();
+            for dir in chain {
+                if !parents.contains(&dir) {
+                    parents.push(dir);
+                }
+            }
+        }
+        for dir in parents {
+            for a in ["--perms", "0755", "--dir"] {
+                args.push(a.into());
+            }
+            args.push(dir.as_os_str().to_owned());
+        }
         for path in &self.exposed {
             args.push("--ro-bind".into());
             args.push(path.clone().into_os_string());
