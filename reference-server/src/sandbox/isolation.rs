@@ -19,7 +19,7 @@
 use std::ffi::OsString;
 use std::io::{self, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd as _;
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -234,7 +234,7 @@ impl Namespacer {
         let mut holder = Holder {
             child,
             _keepalive: stdin,
-            init: 0,
+            pidfds: Vec::new(),
             view: SandboxView {
                 target: 0,
                 nsenter: self.nsenter.clone(),
@@ -269,8 +269,10 @@ pub(super) struct Holder {
     /// The write end of the holder's stdin: closed when the server ends, which ends the
     /// sandbox.
     _keepalive: Option<ChildStdin>,
-    /// Host PID of the PID namespace's PID 1 (bubblewrap's init).
-    init: i32,
+    /// pidfds of the PID namespace's PID 1 (bubblewrap's init) and of the holder's shell,
+    /// taken while they are known to run: a kill through them can reach no other process,
+    /// even when they ended and their PIDs were given to something else.
+    pidfds: Vec<OwnedFd>,
     view: SandboxView,
 }
 
@@ -302,7 +304,7 @@ impl Holder {
                 std::fs::read_link(format!("/proc/{pid}/ns/user")).is_ok_and(|ns| ns != own_userns)
             });
             if let (Some(init), Some(target)) = (init, target) {
-                self.init = init;
+                self.pidfds = vec![pidfd_open(init)?, pidfd_open(target)?];
                 self.view.target = target;
                 break;
             }
@@ -328,16 +330,20 @@ impl Holder {
     /// Kills PID 1 of the sandbox (the kernel then kills every other process in its PID
     /// namespace) and bubblewrap, and reaps bubblewrap.
     pub(super) fn kill(&mut self) {
-        for pid in [self.init, self.view.target] {
-            if pid > 1 {
-                // SAFETY: kill(2) on PIDs of this holder, which the server started and which
-                // have not been reaped (bubblewrap, their parent, is alive until below).
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
+        for fd in self.pidfds.drain(..) {
+            // SAFETY: pidfd_send_signal(2) on a pidfd this holder owns, with no siginfo.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    fd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.init = 0;
         self.view.target = 0;
     }
 }
@@ -449,6 +455,18 @@ fn inherit_as_fd3(fd: i32) -> io::Result<()> {
     }
 }
 
+/// A pidfd of `pid` (pidfd_open(2)).
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(io::Error::other)?;
+    // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// A fresh host uid for a sandbox.
 pub(super) fn allocate_uid() -> u32 {
     let random = ulid::Ulid::new().random() as u32;
@@ -505,6 +523,71 @@ mod tests {
         }
         let out = cmd.output().unwrap();
         String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    }
+
+    /// Whether host PID `pid` runs (a zombie runs nothing).
+    fn runs(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| !stat.contains(") Z "))
+    }
+
+    #[test]
+    fn kill_ends_every_process_of_the_sandbox_while_the_holder_lives() {
+        let namespacer = match Namespacer::detect(Vec::new(), Weakened::default()) {
+            Ok(n) => n,
+            Err(reason) if std::env::var(REQUIRE_ENV).as_deref() != Ok("1") => {
+                eprintln!("skipped: no sandbox isolation here: {reason}");
+                return;
+            }
+            Err(reason) => panic!("isolation is required: {reason}"),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let uid = allocate_uid();
+        std::os::unix::fs::chown(dir.path(), Some(uid), Some(uid)).unwrap();
+        let mut holder = namespacer.start(dir.path(), uid).unwrap();
+        let view = holder.view();
+        let shell = view.target;
+        let mut sleeper = Command::new(view.nsenter())
+            .args(view.enter_args(WORKSPACE))
+            .args(["--", "sh", "-c", "sleep 1000 & echo $!; wait"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(sleeper.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let inner: i32 = line.trim().parse().unwrap();
+        // The sleeper's host PID: the process in the sandbox's PID namespace whose
+        // innermost PID is `inner`.
+        let ns = view.pid_namespace();
+        let host = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .find_map(|e| {
+                let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+                (std::fs::read_link(e.path().join("ns/pid")).ok()? == ns).then_some(())?;
+                let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+                let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+                (nspid.split_whitespace().last()?.parse::<i32>().ok()? == inner).then_some(pid)
+            })
+            .expect("the sleeper on the host");
+        assert!(runs(host) && runs(shell));
+        holder.kill();
+        // Bounded, not timed: the kernel tears the namespace down asynchronously.
+        for _ in 0..500 {
+            if !runs(host) && !runs(shell) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!runs(host), "the sandbox's process outlived kill");
+        assert!(!runs(shell), "the holder's shell outlived kill");
+        // nsenter has its exit now that its child is gone.
+        let _ = sleeper.wait();
+        drop(holder);
     }
 
     #[test]
