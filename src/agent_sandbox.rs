@@ -29,6 +29,9 @@ pub const DEFECTS: &[&str] = &[
     "asb-sessions-shared",
     "asb-paths-unconfined",
     "asb-bad-input-500",
+    "asb-turns-concurrent",
+    "asb-idempotency-ignored",
+    "asb-cancel-ignored",
 ];
 
 /// The environment variable the stand-in reads its defect from.
