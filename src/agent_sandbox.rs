@@ -32,6 +32,7 @@ pub const DEFECTS: &[&str] = &[
     "asb-turns-concurrent",
     "asb-idempotency-ignored",
     "asb-cancel-ignored",
+    "asb-no-heartbeat",
 ];
 
 /// The environment variable the stand-in reads its defect from.
