@@ -120,6 +120,9 @@ pub enum Defect {
     /// The heartbeat timer is armed once, for the opening heartbeat: an idle stream then goes
     /// silent until it ends.
     HeartbeatsStop,
+    /// An open stream whose store read fails (the database is down) goes silent until its
+    /// deadline, sending neither heartbeats nor an end, instead of ending at once.
+    OutageStallsStream,
     /// `GET /v1/sandboxes/{id}/files/list` without credentials is answered for the sandbox's
     /// owner instead of 401.
     FileListSkipsAuth,
@@ -257,6 +260,7 @@ impl Defect {
         Defect::SessionListIgnoresState,
         Defect::StreamEndsEarly,
         Defect::HeartbeatsStop,
+        Defect::OutageStallsStream,
         Defect::FileListSkipsAuth,
         Defect::ProcessOutputSkipsAuth,
         Defect::QuotaCheckedOutsideLock,
@@ -347,6 +351,7 @@ impl Defect {
             Defect::SessionListIgnoresState => "session-list-ignores-state",
             Defect::StreamEndsEarly => "stream-ends-early",
             Defect::HeartbeatsStop => "heartbeats-stop",
+            Defect::OutageStallsStream => "outage-stalls-stream",
             Defect::FileListSkipsAuth => "file-list-skips-auth",
             Defect::ProcessOutputSkipsAuth => "process-output-skips-auth",
             Defect::QuotaCheckedOutsideLock => "quota-checked-outside-lock",
@@ -460,6 +465,7 @@ impl Defect {
             Defect::SessionListIgnoresState => "the session list ignores its state filter",
             Defect::StreamEndsEarly => "streams end at once with stream.end {max_duration}",
             Defect::HeartbeatsStop => "an idle stream sends no heartbeat after its first",
+            Defect::OutageStallsStream => "an open stream goes silent while the store is down",
             Defect::FileListSkipsAuth => "the file list route answers without credentials",
             Defect::ProcessOutputSkipsAuth => {
                 "the process output route answers without credentials"

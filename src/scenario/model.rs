@@ -542,6 +542,10 @@ pub struct Sse {
     /// Drop the connection after this many events.
     #[serde(default)]
     pub cut_after: Option<u32>,
+    /// Stop the deployment's database once this many events arrived, and go on reading:
+    /// what an open stream does during an outage (needs `database_control`).
+    #[serde(default)]
+    pub stop_database_after: Option<u32>,
     /// Capture the id of the last event received.
     #[serde(default)]
     pub capture_last_id: Option<Located<String>>,

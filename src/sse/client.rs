@@ -74,6 +74,19 @@ pub async fn read_stream(
     cut_after: Option<usize>,
     deadline: Duration,
 ) -> StreamRecord {
+    read_stream_signalling(response, started, stop, cut_after, deadline, None).await
+}
+
+/// [`read_stream`], and once `signal`'s count of events has arrived, sends on its channel
+/// (and goes on reading): the caller injects a fault into the open stream's server.
+pub async fn read_stream_signalling(
+    response: reqwest::Response,
+    started: Instant,
+    stop: Stop,
+    cut_after: Option<usize>,
+    deadline: Duration,
+    mut signal: Option<(usize, tokio::sync::oneshot::Sender<()>)>,
+) -> StreamRecord {
     let mut parser = Parser::new();
     let mut body = response.bytes_stream();
     let mut record = StreamRecord {
@@ -128,6 +141,11 @@ pub async fn read_stream(
             record.items.push(Timed { at, item });
             if is_event {
                 events += 1;
+                if signal.as_ref().is_some_and(|(n, _)| events >= *n)
+                    && let Some((_, tx)) = signal.take()
+                {
+                    let _ = tx.send(());
+                }
                 if cut_after.is_some_and(|n| events >= n) {
                     record.end = EndReason::Cut;
                     break 'read;

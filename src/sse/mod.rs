@@ -5,5 +5,5 @@ mod client;
 pub mod interop;
 mod parser;
 
-pub use client::{EndReason, Stop, StreamRecord, Timed, read_stream};
+pub use client::{EndReason, Stop, StreamRecord, Timed, read_stream, read_stream_signalling};
 pub use parser::{Event, Fault, Framing, Item, Parser};

@@ -185,6 +185,7 @@ async fn sse_response(
         expired_cursor_skips: state.config.defects.has(Defect::ExpiredCursorSkips),
         leak_slot_on_close: state.config.defects.has(Defect::StreamSlotLeakedOnClose),
         heartbeats_stop: state.config.defects.has(Defect::HeartbeatsStop),
+        outage_stalls: state.config.defects.has(Defect::OutageStallsStream),
     };
     Ok(sse::respond(&state.log, subject, cursor, slot, options).await?)
 }

@@ -229,6 +229,9 @@ pub struct Options {
     /// When set, the heartbeat timer is never armed again after the opening heartbeat (the
     /// `heartbeats-stop` defect): an idle stream goes silent.
     pub heartbeats_stop: bool,
+    /// When set, a stream whose store read fails goes silent until its deadline (the
+    /// `outage-stalls-stream` defect).
+    pub outage_stalls: bool,
 }
 
 /// Builds the response: 204 when the subject finished and nothing follows the cursor,
@@ -283,6 +286,7 @@ pub async fn respond(
         ended: false,
         leak_slot_on_close: options.leak_slot_on_close,
         heartbeats_stop: options.heartbeats_stop,
+        outage_stalls: options.outage_stalls,
         slot: Some(slot),
         read_due: true,
     };
@@ -355,6 +359,8 @@ struct Running {
     leak_slot_on_close: bool,
     /// The `heartbeats-stop` defect.
     heartbeats_stop: bool,
+    /// The `outage-stalls-stream` defect.
+    outage_stalls: bool,
     /// Holds the principal's stream slot until the body is dropped, whether the stream
     /// ended or the client closed it.
     slot: Option<StreamSlot>,
@@ -393,8 +399,19 @@ impl Running {
             let events = if self.read_due || !self.log.ignores_foreign_appends() {
                 match self.log.read_after(&self.stream, self.cursor, BATCH).await {
                     Ok(events) => events,
+                    Err(e) if self.outage_stalls => {
+                        // The defect: wait silently for the store, past every heartbeat.
+                        tracing::warn!(error = %e, stream = %self.stream, "store read failed; waiting");
+                        tokio::select! {
+                            () = tokio::time::sleep_until(self.deadline) => {}
+                            () = self.shutdown.cancelled() => return None,
+                        }
+                        self.next_heartbeat = self.deadline + self.heartbeat_every;
+                        continue;
+                    }
                     Err(e) => {
-                        // The client resumes from its last id once the store is back.
+                        // SSE-7.23: the response ends at a frame boundary; the client resumes
+                        // from its last id once the store is back.
                         tracing::warn!(error = %e, stream = %self.stream, "ending stream: store read failed");
                         return None;
                     }
@@ -565,6 +582,7 @@ mod tests {
                 expired_cursor_skips: false,
                 leak_slot_on_close: false,
                 heartbeats_stop: false,
+                outage_stalls: false,
             }
         }
 

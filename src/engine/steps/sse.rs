@@ -7,12 +7,13 @@ use serde_json::Value;
 
 use super::{StepKind, expects_2xx, secs};
 use crate::engine::context::{
-    CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, ms, with_problem, with_query,
+    CANARY_HEADER, Ctx, FaultRecord, Prepared, StepError, is_credential_header, ms, with_problem,
+    with_query,
 };
 use crate::engine::expect::{Observed, check_response, json_check, status_ok};
 use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
 use crate::scenario::{Method, Principal, Sse, Until};
-use crate::sse::{EndReason, Framing, Item, Stop, read_stream};
+use crate::sse::{EndReason, Framing, Item, Stop, read_stream_signalling};
 use crate::target::describe_reqwest;
 
 /// `(event type, id)` per event, as an interop probe saw them.
@@ -210,15 +211,65 @@ impl Ctx<'_> {
             Until::Event(t) => Stop::Event(t.clone()),
         };
         // The interop probe reads the same stream at the same time, so it costs no time.
-        let probe = self.interop_probe(s, &prepared, last_event_id.clone(), stop.clone(), deadline);
-        let strict = read_stream(
+        // A stream the database is stopped under is read once: a second one would see the
+        // outage at another point.
+        let probe = if s.stop_database_after.is_some() {
+            None
+        } else {
+            Some(self.interop_probe(s, &prepared, last_event_id.clone(), stop.clone(), deadline))
+        };
+        let probe = async move {
+            match probe {
+                Some(p) => p.await,
+                None => None,
+            }
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let signal = s.stop_database_after.map(|n| (n as usize, tx));
+        let strict = read_stream_signalling(
             response,
             sent,
             stop,
             s.cut_after.map(|n| n as usize),
             deadline,
+            signal,
         );
-        let (record, probed) = tokio::join!(strict, probe);
+        // The outage: once the stream has delivered its events, the database stops while it
+        // is open (a stream that never gets there injects nothing).
+        let outage = async {
+            if rx.await.is_err() {
+                return None;
+            }
+            let at = self.at();
+            let began = Instant::now();
+            let done = match self.target.control.as_ref() {
+                Some(control) => control.stop_database().await,
+                None => Err("the runner holds no database of this target".to_owned()),
+            };
+            Some(done.map(|()| (at, ms(began.elapsed()))))
+        };
+        let (record, probed, stopped) = tokio::join!(strict, probe, outage);
+        match stopped {
+            Some(Ok((at_ms, took_ms))) => {
+                self.note(format!(
+                    "{label}: stop_database on the database done in {took_ms} ms, with the stream open"
+                ));
+                self.faults.push(FaultRecord {
+                    step: label.to_owned(),
+                    kind: "stop_database".to_owned(),
+                    on: "database".to_owned(),
+                    at_ms,
+                    took_ms,
+                    checked_after: Vec::new(),
+                });
+            }
+            Some(Err(e)) => return Err(StepError::Error(format!("stop_database: {e}"))),
+            None if s.stop_database_after.is_some() => failures.push(format!(
+                "the stream ended before the {} events after which the database stops",
+                s.stop_database_after.unwrap_or(0)
+            )),
+            None => {}
+        }
         exchange.first_frame_ms = record.first_frame.map(ms);
         exchange.eof_ms = record.eof.map(ms);
         exchange.end = format!("{:?}", record.end);
