@@ -38,9 +38,7 @@ pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s"
 /// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
 /// endpoint, the test-controls admin token); `server_control` and `database_control` are
 /// what the runner itself started and may therefore kill, restart, stop and start (the
-/// reference server's processes, the private PostgreSQL cluster of its database);
-/// `isolation` means `capabilities.isolation.namespaces` holds user, mount, pid and network;
-/// `memory_limit` means `capabilities.isolation.enforced` holds `memory`.
+/// reference server's processes, the private PostgreSQL cluster of its database).
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
@@ -55,8 +53,6 @@ pub const CAPABILITIES: &[&str] = &[
     "server_control",
     "database_control",
     "restart",
-    "isolation",
-    "memory_limit",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the
