@@ -568,7 +568,6 @@ async fn a_peer_scenario_skips_without_a_peer() {
     for file in [
         "lifecycle/create-get-list-kill.yaml",
         "faults/two-processes-one-database.yaml",
-        "faults/database-outage-503.yaml",
     ] {
         let to = catalog.join(file);
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
