@@ -33,6 +33,28 @@ pub const LIMIT_KEYS: &[&str] = &[
 /// Retention keys a scenario may refer to as `{{retention.<key>}}`.
 pub const RETENTION_KEYS: &[&str] = &["process_output_s", "result_s", "events_s", "idempotency_s"];
 
+/// How a clause of another profile is checked: another profile's clauses are its own
+/// document's, and the ID's prefix picks the document.
+type ProfileClauses = (&'static str, fn(&str) -> bool, &'static str);
+
+const PROFILE_CLAUSE_DOCS: [ProfileClauses; 3] = [
+    (
+        "MCP-",
+        crate::profile::is_mcp_clause,
+        "docs/profiles/mcp.md",
+    ),
+    (
+        "ASB-",
+        crate::agent_sandbox::is_clause,
+        "docs/profiles/agent-sandbox.md",
+    ),
+    (
+        "E2B-",
+        crate::profile::is_e2b_clause,
+        "docs/profiles/e2b.md",
+    ),
+];
+
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
 /// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
@@ -297,38 +319,14 @@ impl Checker<'_> {
             );
         }
         for c in &s.clauses {
-            if c.value.starts_with("MCP-") {
-                if !crate::profile::is_mcp_clause(&c.value) {
+            if let Some((_, defined, doc)) = PROFILE_CLAUSE_DOCS
+                .iter()
+                .find(|(prefix, _, _)| c.value.starts_with(prefix))
+            {
+                if !defined(&c.value) {
                     self.err(
                         Pos::of(c),
-                        format!(
-                            "clause `{}` is not defined in docs/profiles/mcp.md",
-                            c.value
-                        ),
-                    );
-                }
-                continue;
-            }
-            if c.value.starts_with("ASB-") {
-                if !crate::agent_sandbox::is_clause(&c.value) {
-                    self.err(
-                        Pos::of(c),
-                        format!(
-                            "clause `{}` is not defined in docs/profiles/agent-sandbox.md",
-                            c.value
-                        ),
-                    );
-                }
-                continue;
-            }
-            if c.value.starts_with("E2B-") {
-                if !crate::profile::is_e2b_clause(&c.value) {
-                    self.err(
-                        Pos::of(c),
-                        format!(
-                            "clause `{}` is not defined in docs/profiles/e2b.md",
-                            c.value
-                        ),
+                        format!("clause `{}` is not defined in {doc}", c.value),
                     );
                 }
                 continue;
