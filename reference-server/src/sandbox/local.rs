@@ -268,6 +268,9 @@ impl LocalProvider {
             }
             None => std::fs::create_dir(&root)?,
         }
+        // Made with the sandbox rather than by its first process, so that what a process sees
+        // beside its root does not change when the server records it.
+        std::fs::create_dir_all(dir.join("procs"))?;
 
         let grant = self.grant_for(requested);
         let cgroup = self.cgroups.create(local, &grant)?;

@@ -1058,3 +1058,28 @@ mod defects {
         f.provider.destroy(&local).await.unwrap();
     }
 }
+
+/// The server's own bookkeeping beside a sandbox's root is in place before the first process
+/// runs: what that process sees of its parent is what the parent holds once it has been
+/// recorded, so a check from inside the sandbox that nothing changed there can rely on it.
+#[tokio::test]
+async fn the_first_process_sees_the_parent_as_it_stays() {
+    let f = fixture_with(Defects::none(), false, |_| {}).await;
+    let local = f.sandbox().await;
+    let dir = f.provider.sandbox_dir(&local).unwrap();
+    assert!(dir.join("procs").is_dir(), "made with the sandbox");
+    let id = f.start(&local, sh("ls -A ..")).await;
+    let (events, _) = f.wait_exit(&id).await;
+    let seen: Vec<String> = output_of(&events, "stdout")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut held: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    held.sort();
+    assert!(seen.contains(&"procs".to_owned()), "seen: {seen:?}");
+    assert_eq!(seen, held);
+    f.provider.destroy(&local).await.unwrap();
+}
