@@ -31,6 +31,9 @@ impl Ctx<'_> {
         let deadline = Instant::now() + within;
         let client = self.target.client.clone();
         let mut attempts = 0u32;
+        // The first reason it did not hold: when later attempts fail differently (the output
+        // expired while it was polled, say), the first one is what tells a reader why.
+        let mut first: Option<String> = None;
         loop {
             attempts += 1;
             let prepared = self.prepare(&p.request)?;
@@ -40,11 +43,14 @@ impl Ctx<'_> {
                 Ok(()) => return Ok(()),
                 Err(StepError::Fail(msg)) => {
                     if Instant::now() + every > deadline {
-                        return Err(StepError::Fail(format!(
-                            "still not holding after {attempts} attempts in {}s: {msg}",
-                            within.as_secs()
+                        return Err(StepError::Fail(not_holding(
+                            attempts,
+                            within,
+                            first.as_deref(),
+                            &msg,
                         )));
                     }
+                    first.get_or_insert(msg);
                     // Keep the transcript readable: only the first and the last attempts.
                     if attempts > 1 {
                         self.transcript.remove(recorded);
@@ -54,5 +60,45 @@ impl Ctx<'_> {
             }
             tokio::time::sleep(every).await;
         }
+    }
+}
+
+/// Why a poll gave up: the last attempt's reason, and the first one's when it differs.
+fn not_holding(attempts: u32, within: Duration, first: Option<&str>, last: &str) -> String {
+    let earlier = match first {
+        Some(first) if first != last => format!(" (first attempt: {first})"),
+        _ => String::new(),
+    };
+    format!(
+        "still not holding after {attempts} attempts in {}s: {last}{earlier}",
+        within.as_secs()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poll_that_gives_up_names_the_first_reason_when_it_changed() {
+        let within = Duration::from_secs(10);
+        assert_eq!(
+            not_holding(
+                3,
+                within,
+                Some("/stdout: got \"\""),
+                "status 410, expected 200"
+            ),
+            "still not holding after 3 attempts in 10s: status 410, expected 200 \
+             (first attempt: /stdout: got \"\")"
+        );
+        assert_eq!(
+            not_holding(3, within, Some("status 404"), "status 404"),
+            "still not holding after 3 attempts in 10s: status 404"
+        );
+        assert_eq!(
+            not_holding(1, within, None, "status 404"),
+            "still not holding after 1 attempts in 10s: status 404"
+        );
     }
 }
