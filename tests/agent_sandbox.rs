@@ -9,6 +9,9 @@
 //!
 //! Without python3 or PyPI the tests say so and skip; under `CI=true` that is a failure.
 
+#[path = "support/venv.rs"]
+mod venv;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::LazyLock;
@@ -33,44 +36,12 @@ static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
 /// The `agent-sandbox-server` executable of a virtualenv under the target directory,
 /// installed once; `None` (a visible skip) when it cannot be, which fails under `CI=true`.
 fn service_bin() -> Option<PathBuf> {
-    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    let unavailable = |why: String| {
-        assert!(!in_ci, "{PACKAGE} is required in CI: {why}");
-        eprintln!("SKIPPED: {PACKAGE} is unavailable: {why}");
-        None
-    };
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("agent-sandbox-server-0.4.0a6-venv");
-    let bin = venv.join("bin").join("agent-sandbox-server");
-    let _guard = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
-    if !bin.exists() {
-        match Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
-        }
-        let pip = venv.join("bin").join("pip");
-        match Command::new(&pip)
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--pre",
-                PACKAGE,
-            ])
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => {
-                let _ = std::fs::remove_dir_all(&venv);
-                return unavailable(format!("pip install {PACKAGE} failed: {other:?}"));
-            }
-        }
-    }
-    Some(bin)
+    let venv = venv::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "agent-sandbox-server-venv",
+        &[PACKAGE],
+    )?;
+    Some(venv.join("bin").join("agent-sandbox-server"))
 }
 
 /// The `--launch` command for the package, with the stand-in's defect when given.

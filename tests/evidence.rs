@@ -2,6 +2,9 @@
 //! `verify` catches tampering and pasted tokens, receipts satisfy the published schema, the
 //! honesty rules hold, and an independent scanner (detect-secrets) finds nothing.
 
+#[path = "support/venv.rs"]
+mod venv;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1576,44 +1579,12 @@ fn any_change_to_a_signed_folder_is_refused() {
 /// a virtualenv under the target directory; unavailable is a visible skip locally and a
 /// failure under `CI=true`.
 fn detect_secrets(dir: &Path) -> Option<Vec<String>> {
-    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    let unavailable = |why: String| {
-        assert!(!in_ci, "detect-secrets is required in CI: {why}");
-        eprintln!("SKIPPED: detect-secrets is unavailable: {why}");
-        None
-    };
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("detect-secrets-venv");
+    let venv = venv::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "detect-secrets-venv",
+        &["detect-secrets==1.5.0"],
+    )?;
     let bin = venv.join("bin").join("detect-secrets");
-    // One test installs, the others wait for it.
-    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let guard = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
-    if !bin.exists() {
-        match Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
-        }
-        let pip = venv.join("bin").join("pip");
-        match Command::new(&pip)
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "detect-secrets==1.5.0",
-            ])
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => {
-                let _ = std::fs::remove_dir_all(&venv);
-                return unavailable(format!("pip install detect-secrets failed: {other:?}"));
-            }
-        }
-    }
-    drop(guard);
     let out = Command::new(&bin)
         .args(DETECT_SECRETS_ARGS)
         .current_dir(dir)

@@ -3,6 +3,9 @@
 //! to hold, and to break under the defect that is its negative control, as seen on the control
 //! plane by a fresh client.
 
+#[path = "support/venv.rs"]
+mod venv;
+
 use std::time::Duration;
 
 use reqwest::Method;
@@ -419,52 +422,12 @@ async fn shutdown_during_a_create(cp: &ControlPlane, session: &mut McpSession) -
 /// failure under `CI=true`. Installed once per test binary, so the tests that use it do not
 /// race on the virtualenv.
 fn agent_sandbox_client() -> Option<std::path::PathBuf> {
-    static INSTALLED: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _once = INSTALLED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    install_agent_sandbox_client()
-}
-
-fn install_agent_sandbox_client() -> Option<std::path::PathBuf> {
-    use std::process::Command;
-    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    let unavailable = |why: String| {
-        assert!(!in_ci, "agent-sandbox-client is required in CI: {why}");
-        eprintln!("SKIPPED: agent-sandbox-client is unavailable: {why}");
-        None
-    };
-    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("agent-sandbox-client-venv");
-    let python = venv.join("bin").join("python");
-    let marker = venv.join("installed-0.4.0a6");
-    if !marker.exists() {
-        match Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
-        }
-        match Command::new(venv.join("bin").join("pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "agent-sandbox-client==0.4.0a6",
-            ])
-            .status()
-        {
-            Ok(s) if s.success() => std::fs::write(&marker, b"").expect("marker"),
-            other => {
-                let _ = std::fs::remove_dir_all(&venv);
-                return unavailable(format!(
-                    "pip install agent-sandbox-client==0.4.0a6 failed: {other:?}"
-                ));
-            }
-        }
-    }
-    Some(python)
+    let venv = venv::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "agent-sandbox-client-venv",
+        &["agent-sandbox-client==0.4.0a6"],
+    )?;
+    Some(venv.join("bin").join("python"))
 }
 
 /// What a run of the MCP catalog says, one line per scenario, with the values that change

@@ -4,6 +4,8 @@
 
 #[expect(dead_code, reason = "the shared helpers serve several test binaries")]
 mod support;
+#[path = "../../tests/support/venv.rs"]
+mod venv;
 
 use std::path::Path;
 use std::process::Command;
@@ -1217,38 +1219,8 @@ async fn envd_watch_dir_streams_events() {
 /// A venv with the pinned E2B SDK, or `None` (with the reason) when it cannot be had;
 /// under `CI=true` that is a failure, not a skip.
 fn sdk_python() -> Option<std::path::PathBuf> {
-    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    let unavailable = |why: String| {
-        assert!(!in_ci, "the E2B SDK is required in CI: {why}");
-        eprintln!("SKIPPED: the E2B SDK is unavailable: {why}");
-        None
-    };
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2b-sdk-venv");
-    let python = venv.join("bin").join("python");
-    let marker = venv.join(format!("installed-{E2B_SDK}"));
-    if !marker.exists() {
-        let _ = std::fs::remove_dir_all(&venv);
-        match Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
-        }
-        let pip = Command::new(venv.join("bin").join("pip"))
-            .args(["install", "--quiet", "--disable-pip-version-check", E2B_SDK])
-            .status();
-        match pip {
-            Ok(s) if s.success() => {}
-            other => {
-                let _ = std::fs::remove_dir_all(&venv);
-                return unavailable(format!("pip install {E2B_SDK} failed: {other:?}"));
-            }
-        }
-        std::fs::write(&marker, b"").expect("marker");
-    }
-    Some(python)
+    let venv = venv::pinned(env!("CARGO_TARGET_TMPDIR"), "e2b-sdk-venv", &[E2B_SDK])?;
+    Some(venv.join("bin").join("python"))
 }
 
 /// The real E2B Python SDK drives the reference server through `E2B_API_URL` and
