@@ -290,6 +290,36 @@ pub fn build_client(ca: Option<&reqwest::Certificate>) -> Result<reqwest::Client
 }
 
 impl Target {
+    /// A target at `base_url` with nothing the runner started, no peer, no wait budget and
+    /// the default request timeout; the constructors below add what they have.
+    fn new(
+        base_url: String,
+        client: reqwest::Client,
+        tokens: Tokens,
+        capabilities: Capabilities,
+        api: crate::profile::Api,
+        ca: Option<reqwest::Certificate>,
+    ) -> Target {
+        Target {
+            canary: crate::evidence::new_canary(),
+            base_url,
+            client,
+            tokens,
+            capabilities,
+            api,
+            envd_domain: None,
+            ca,
+            peer: None,
+            wait_budget: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            mcp: None,
+            _server: None,
+            launcher: None,
+            control: None,
+            service: None,
+        }
+    }
+
     /// A fresh client with no shared connection pool (for independent checks).
     pub fn fresh_client(&self) -> Result<reqwest::Client, TargetError> {
         build_client(self.ca.as_ref())
@@ -351,24 +381,14 @@ impl Target {
         }
         let base_url = checked_base_url(base_url)?;
         let client = build_client(ca.as_ref())?;
-        Ok(Target {
-            canary: crate::evidence::new_canary(),
+        Ok(Target::new(
             base_url,
             client,
             tokens,
-            capabilities: Capabilities::default(),
+            Capabilities::default(),
             api,
-            envd_domain: None,
             ca,
-            peer: None,
-            wait_budget: None,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
-            mcp: None,
-            _server: None,
-            launcher: None,
-            control: None,
-            service: None,
-        })
+        ))
     }
 
     /// A target the runner launched itself (`--launch`), speaking `api`; the service is
@@ -401,23 +421,10 @@ impl Target {
             raw: document.unwrap_or_default(),
             ..Capabilities::default()
         };
+        let (base_url, tokens) = (service.url.clone(), service.tokens.clone());
         Ok(Target {
-            canary: crate::evidence::new_canary(),
-            base_url: service.url.clone(),
-            client,
-            tokens: service.tokens.clone(),
-            capabilities,
-            api,
-            envd_domain: None,
-            ca: None,
-            peer: None,
-            wait_budget: None,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
-            mcp: None,
-            _server: None,
-            launcher: None,
-            control: None,
             service: Some(tokio::sync::Mutex::new(service)),
+            ..Target::new(base_url, client, tokens, capabilities, api, None)
         })
     }
 
@@ -494,24 +501,14 @@ impl Target {
         let base_url = checked_base_url(base_url)?;
         let client = build_client(ca.as_ref())?;
         let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
-        Ok(Target {
-            canary: crate::evidence::new_canary(),
+        Ok(Target::new(
             base_url,
             client,
             tokens,
             capabilities,
-            api: crate::profile::Api::V1,
-            envd_domain: None,
+            crate::profile::Api::V1,
             ca,
-            peer: None,
-            wait_budget: None,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
-            mcp: None,
-            _server: None,
-            launcher: None,
-            control: None,
-            service: None,
-        })
+        ))
     }
 
     /// Adds a peer: `peer_url` serves the same deployment and takes the same tokens. Its
@@ -547,22 +544,17 @@ impl Target {
             None => None,
         };
         Ok(Target {
-            canary: crate::evidence::new_canary(),
-            base_url,
-            client,
-            tokens,
-            capabilities,
-            api: crate::profile::Api::V1,
-            envd_domain: None,
-            ca: None,
             peer,
-            wait_budget: None,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
-            mcp: None,
             _server: Some(server),
             launcher: Some(options.clone()),
-            control: None,
-            service: None,
+            ..Target::new(
+                base_url,
+                client,
+                tokens,
+                capabilities,
+                crate::profile::Api::V1,
+                None,
+            )
         })
     }
 }
@@ -612,24 +604,23 @@ impl Target {
         }
         let mut target = Target {
             canary: self.canary.clone(),
-            base_url,
-            client,
-            tokens: self.tokens.clone(),
-            capabilities,
-            api: crate::profile::Api::V1,
             envd_domain: self.envd_domain.clone(),
             mcp: self.mcp.clone(),
-            ca: None,
             peer,
             wait_budget: self.wait_budget,
             request_timeout: self.request_timeout,
-            _server: None,
-            launcher: None,
             control: Some(Control {
                 servers: tokio::sync::Mutex::new(servers),
                 cluster,
             }),
-            service: None,
+            ..Target::new(
+                base_url,
+                client,
+                self.tokens.clone(),
+                capabilities,
+                crate::profile::Api::V1,
+                None,
+            )
         }
         .speaking(self.api);
         // What the run was told to assume or drop holds here too.
