@@ -1414,18 +1414,7 @@ async fn expired_sandboxes_are_killed_or_paused() {
 #[tokio::test]
 async fn serves_https_with_a_certificate_from_files() {
     let dir = tempfile::tempdir().unwrap();
-    let cert =
-        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-            .unwrap();
-    let cert_path = dir.path().join("cert.pem");
-    let key_path = dir.path().join("key.pem");
-    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let root = reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap();
-    let tls = reference_server::config::Tls {
-        cert: cert_path,
-        key: key_path,
-    };
+    let (tls, root) = self_signed_tls(dir.path());
     let app = spawn_app_with_client(
         move |c| c.tls = Some(tls),
         reqwest::Client::builder().add_root_certificate(root),

@@ -2145,18 +2145,7 @@ async fn session_streams_heartbeat_and_count_against_the_stream_quota() {
 #[tokio::test]
 async fn workers_reach_a_server_that_serves_https() {
     let dir = tempfile::tempdir().unwrap();
-    let cert =
-        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-            .unwrap();
-    let cert_path = dir.path().join("cert.pem");
-    let key_path = dir.path().join("key.pem");
-    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let root = reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap();
-    let tls = reference_server::config::Tls {
-        cert: cert_path,
-        key: key_path,
-    };
+    let (tls, root) = support::self_signed_tls(dir.path());
     let app = support::spawn_app_with_client(
         move |c| {
             gateway(c);

@@ -36,6 +36,26 @@ fn install_crypto() {
 }
 
 /// A configuration for one test: `Config::for_tests` with quick reapers.
+/// A self-signed certificate for `localhost` and `127.0.0.1`, made at run time and written
+/// with its key under `dir`: the server's TLS settings, and the root a client trusts.
+pub fn self_signed_tls(
+    dir: &std::path::Path,
+) -> (reference_server::config::Tls, reqwest::Certificate) {
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap();
+    let cert_path = dir.join("cert.pem");
+    let key_path = dir.join("key.pem");
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let root = reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap();
+    let tls = reference_server::config::Tls {
+        cert: cert_path,
+        key: key_path,
+    };
+    (tls, root)
+}
+
 pub fn test_config(data_dir: PathBuf) -> Config {
     let mut config = Config::for_tests(data_dir);
     config.limits.reaper_interval_ms = 50;
