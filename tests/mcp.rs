@@ -3,6 +3,9 @@
 //! to hold, and to break under the defect that is its negative control, as seen on the control
 //! plane by a fresh client.
 
+#[expect(dead_code, reason = "the shared helpers serve several test binaries")]
+#[path = "../reference-server/tests/support/mod.rs"]
+mod server_support;
 #[path = "support/venv.rs"]
 mod venv;
 
@@ -20,51 +23,16 @@ const GRACE: Duration = Duration::from_secs(20);
 struct ControlPlane {
     base: String,
     http: reqwest::Client,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    _dir: tempfile::TempDir,
+    _app: server_support::TestApp,
 }
 
 impl ControlPlane {
     async fn start() -> Self {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = reference_server::config::Config::for_tests(dir.path().join("data"));
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
-                let server = reference_server::server::Server::build(listener, config)
-                    .await
-                    .expect("build server");
-                addr_tx.send(server.local_addr()).expect("send addr");
-                server
-                    .serve(async move {
-                        let _ = stop_rx.await;
-                    })
-                    .await
-                    .expect("serve");
-            });
-        });
-        let addr =
-            tokio::task::spawn_blocking(move || addr_rx.recv_timeout(Duration::from_secs(30)))
-                .await
-                .expect("join")
-                .expect("server did not start");
+        let app = server_support::spawn_app(|_| {}).await;
         Self {
-            base: format!("http://{addr}"),
+            base: app.base.clone(),
             http: reqwest::Client::new(),
-            stop: Some(stop_tx),
-            thread: Some(thread),
-            _dir: dir,
+            _app: app,
         }
     }
 
@@ -120,17 +88,6 @@ impl ControlPlane {
             ],
         };
         McpSession::start(&cmd).await.expect("start sandspec mcp")
-    }
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 

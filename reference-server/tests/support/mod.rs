@@ -35,7 +35,6 @@ fn install_crypto() {
     });
 }
 
-/// A configuration for one test: `Config::for_tests` with quick reapers.
 /// A self-signed certificate for `localhost` and `127.0.0.1`, made at run time and written
 /// with its key under `dir`: the server's TLS settings, and the root a client trusts.
 pub fn self_signed_tls(
@@ -56,6 +55,7 @@ pub fn self_signed_tls(
     (tls, root)
 }
 
+/// A configuration for one test: `Config::for_tests` with quick reapers.
 pub fn test_config(data_dir: PathBuf) -> Config {
     let mut config = Config::for_tests(data_dir);
     config.limits.reaper_interval_ms = 50;
