@@ -3,6 +3,9 @@
 //! conformant (exit 0) with a verified evidence folder written; a server with a defect is not
 //! (exit 1) and the receipt names the failing scenario. Also `sandspec sweep`.
 
+#[path = "support/owner.rs"]
+mod owner;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -342,29 +345,16 @@ fn a_filtered_run_says_it_is_a_subset() {
 
 /// Creates a sandbox as the owner over plain HTTP, returning its ID.
 async fn create(server: &ReferenceServer, metadata: serde_json::Value) -> String {
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/sandboxes", server.url))
-        .bearer_auth(&server.tokens.owner)
-        .json(&serde_json::json!({"metadata": metadata}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status().as_u16(), 201);
-    resp.json::<serde_json::Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
+    owner::create(
+        server,
+        "/v1/sandboxes",
+        serde_json::json!({"metadata": metadata}),
+    )
+    .await
 }
 
 async fn status_of(server: &ReferenceServer, id: &str) -> u16 {
-    reqwest::Client::new()
-        .get(format!("{}/v1/sandboxes/{id}", server.url))
-        .bearer_auth(&server.tokens.owner)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+    owner::status(server, &format!("/v1/sandboxes/{id}")).await
 }
 
 #[tokio::test]

@@ -6,6 +6,10 @@
 
 #[path = "support/faulty_proxy.rs"]
 mod faulty_proxy;
+#[path = "support/owner.rs"]
+mod owner;
+
+use owner::{create, status};
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -118,33 +122,6 @@ async fn reference() -> ReferenceServer {
         ..ReferenceOptions::default()
     };
     ReferenceServer::start(&options).await.unwrap()
-}
-
-/// `POST path` with `body` as the owner, directly on the server; the created object's ID.
-async fn create(server: &ReferenceServer, path: &str, body: Value) -> String {
-    let resp = reqwest::Client::new()
-        .post(format!("{}{path}", server.url))
-        .bearer_auth(&server.tokens.owner)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status().as_u16(), 201, "POST {path}");
-    resp.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
-}
-
-async fn status(server: &ReferenceServer, path: &str) -> u16 {
-    reqwest::Client::new()
-        .get(format!("{}{path}", server.url))
-        .bearer_auth(&server.tokens.owner)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
 }
 
 /// A listener that answers only its capabilities: every scenario fails at its first
