@@ -453,31 +453,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::store::suite::Fixture;
 
-    async fn memory() -> Option<Fixture> {
-        Some(Fixture::new(
-            SqliteStore::open(None)
-                .await
-                .expect("open in-memory SQLite"),
-        ))
-    }
-
-    async fn file() -> Option<Fixture> {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store = SqliteStore::open(Some(&dir.path().join("sandspec.db")))
-            .await
-            .expect("open file SQLite");
-        Some(Fixture::new(store).holding(dir))
-    }
-
-    mod memory {
-        crate::store_suite!(super::memory().await);
-    }
-
-    mod file {
-        crate::store_suite!(super::file().await);
-    }
+    // The shared store suite runs on SQLite (in memory and in a file) and PostgreSQL in
+    // tests/store.rs; what is here is SQLite's own.
 
     #[tokio::test]
     async fn memory_stores_are_private() {
