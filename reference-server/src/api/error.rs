@@ -67,6 +67,20 @@ pub enum ApiError {
     TooManyStreams { retry_after_s: u64 },
     #[error("the service is temporarily unavailable")]
     Unavailable,
+    #[error("the session is being deleted")]
+    SessionNotActive,
+    #[error("the session is not paused")]
+    SessionNotPaused,
+    #[error("the lease generation is not current")]
+    LeaseLost,
+    #[error("the session's queue is full")]
+    QueueFull,
+    #[error("the submission has not finished")]
+    NotTerminal,
+    #[error("the result is past its retention")]
+    ResultExpired,
+    #[error("the artifact is past its retention")]
+    ArtifactExpired,
     /// Details go to the log, never to the client.
     #[error("internal error")]
     Internal(String),
@@ -111,6 +125,13 @@ impl ApiError {
             CursorExpired => (StatusCode::GONE, "cursor_expired"),
             TooManyStreams { .. } => (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"),
             Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            SessionNotActive => (StatusCode::CONFLICT, "session_not_active"),
+            SessionNotPaused => (StatusCode::CONFLICT, "session_not_paused"),
+            LeaseLost => (StatusCode::CONFLICT, "lease_lost"),
+            QueueFull => (StatusCode::TOO_MANY_REQUESTS, "queue_full"),
+            NotTerminal => (StatusCode::CONFLICT, "not_terminal"),
+            ResultExpired => (StatusCode::GONE, "result_expired"),
+            ArtifactExpired => (StatusCode::GONE, "artifact_expired"),
             Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
@@ -119,7 +140,7 @@ impl ApiError {
         match self {
             ApiError::TooManyStreams { retry_after_s } => Some(*retry_after_s),
             ApiError::Unavailable => Some(STORE_RETRY_AFTER_S),
-            ApiError::IdempotencyKeyInUse => Some(1),
+            ApiError::IdempotencyKeyInUse | ApiError::QueueFull => Some(1),
             _ => None,
         }
     }
@@ -132,6 +153,9 @@ impl ApiError {
         }
     }
 }
+
+/// What a handler of `api`, `gateway` or `e2b`'s `/v1`-shaped routes returns.
+pub type ApiResult<T> = Result<T, ApiError>;
 
 /// A problem body. `request_id` is filled in by the request-id middleware.
 #[derive(Debug, Clone, Serialize)]

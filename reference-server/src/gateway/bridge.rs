@@ -20,7 +20,7 @@ use crate::domain::now;
 use crate::store::{Kind, Record, Scope};
 
 use super::core::{Gateway, Loaded, SessionGuard, SessionRt, decode};
-use super::http::{Admin, GwError, GwResult, parse_json};
+use super::http::{Admin, ApiResult, parse_json};
 use super::model::{ErrorBody, OperationDoc, SubmissionDoc, Usage, new_id, plausible_id, rfc3339};
 use super::routes::{PathId, PathIds};
 use super::sessions::read_body;
@@ -39,15 +39,15 @@ async fn authenticate(
     target: &str,
     headers: &HeaderMap,
     body: Body,
-) -> GwResult<Authed> {
+) -> ApiResult<Authed> {
     let body = read_body(headers, body, state.config.limits.max_body_bytes).await?;
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     if !state.config.defects.has(Defect::BridgeSignatureUnchecked) {
         let (Some(ts), Some(sig)) = (header(TIMESTAMP_HEADER), header(SIGNATURE_HEADER)) else {
-            return Err(ApiError::PermissionDenied.into());
+            return Err(ApiError::PermissionDenied);
         };
         if !plausible_id(sid, "ses_") {
-            return Err(ApiError::PermissionDenied.into());
+            return Err(ApiError::PermissionDenied);
         }
         let secret = match gw
             .state
@@ -63,16 +63,16 @@ async fn authenticate(
             None => None,
         };
         let Some(secret) = secret else {
-            return Err(ApiError::PermissionDenied.into());
+            return Err(ApiError::PermissionDenied);
         };
         let now_s = time::OffsetDateTime::now_utc().unix_timestamp();
         if !verify(&secret, method.as_str(), target, &body, ts, sig, now_s) {
-            return Err(ApiError::PermissionDenied.into());
+            return Err(ApiError::PermissionDenied);
         }
     }
     let revision = header(REVISION_HEADER).unwrap_or("");
     if revision.trim().is_empty() && !state.config.defects.has(Defect::EmptyRevisionAccepted) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "control_revision",
             "the control revision must not be empty",
         ));
@@ -85,9 +85,9 @@ async fn authenticate(
 pub struct Signed<T>(pub T);
 
 impl<T: DeserializeOwned> FromRequest<AppState> for Signed<T> {
-    type Rejection = GwError;
+    type Rejection = ApiError;
 
-    async fn from_request(req: axum::extract::Request, state: &AppState) -> GwResult<Self> {
+    async fn from_request(req: axum::extract::Request, state: &AppState) -> ApiResult<Self> {
         let (mut parts, body) = req.into_parts();
         let params =
             axum::extract::Path::<Vec<(String, String)>>::from_request_parts(&mut parts, state)
@@ -103,7 +103,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for Signed<T> {
             .extensions
             .get::<Arc<Gateway>>()
             .cloned()
-            .ok_or_else(|| GwError::internal("the gateway is not installed"))?;
+            .ok_or_else(|| ApiError::internal("the gateway is not installed"))?;
         let uri = parts
             .extensions
             .get::<OriginalUri>()
@@ -127,7 +127,7 @@ async fn locked<'a>(
     gw: &Gateway,
     rt: &'a SessionRt,
     sid: &str,
-) -> GwResult<(SessionGuard<'a>, Loaded)> {
+) -> ApiResult<(SessionGuard<'a>, Loaded)> {
     let guard = gw.lock(rt, sid).await?;
     let loaded = gw
         .session(Scope::System, sid)
@@ -142,14 +142,14 @@ async fn fenced<'a>(
     rt: &'a SessionRt,
     sid: &str,
     generation: i64,
-) -> GwResult<(SessionGuard<'a>, Loaded)> {
+) -> ApiResult<(SessionGuard<'a>, Loaded)> {
     let (guard, loaded) = locked(gw, rt, sid).await?;
     if loaded.doc.lease_is_current(generation)
         || gw.state.config.defects.has(Defect::StaleLeaseWriteAccepted)
     {
         Ok((guard, loaded))
     } else {
-        Err(GwError::lease_lost())
+        Err(ApiError::LeaseLost)
     }
 }
 
@@ -164,11 +164,11 @@ pub async fn take_lease(
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
     Signed(req): Signed<TakeLease>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
     let (_guard, mut loaded) = locked(&gw, &rt, &sid).await?;
     if loaded.doc.state == "deleting" {
-        return Err(GwError::session_not_active());
+        return Err(ApiError::SessionNotActive);
     }
     // A new generation: a turn running under an older one has an unknown outcome.
     if gw.active_submission(&sid).await?.is_some()
@@ -208,7 +208,7 @@ pub async fn heartbeat(
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
     Signed(req): Signed<Generation>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
     let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     rt.live().lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
@@ -236,7 +236,7 @@ pub async fn next(
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
     Signed(req): Signed<Generation>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
     let (_guard, loaded) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
     if loaded.doc.state != "active" {
@@ -280,7 +280,7 @@ async fn running_submission(
     gw: &Gateway,
     sid: &str,
     id: &str,
-) -> GwResult<(Record, SubmissionDoc)> {
+) -> ApiResult<(Record, SubmissionDoc)> {
     let rec = gw
         .state
         .store
@@ -290,7 +290,9 @@ async fn running_submission(
         .ok_or(ApiError::NotFound)?;
     let doc: SubmissionDoc = decode(&rec)?;
     if doc.state != "running" && doc.state != "cancelling" {
-        return Err(ApiError::InvalidState("the submission is not running".into()).into());
+        return Err(ApiError::InvalidState(
+            "the submission is not running".into(),
+        ));
     }
     Ok((rec, doc))
 }
@@ -310,15 +312,15 @@ pub async fn start_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
     Signed(req): Signed<StartOperation>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if req.kind != "model_call" && req.kind != "tool_call" {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "kind",
             "kind must be model_call or tool_call",
         ));
     }
     if req.effect_class != "read" && req.effect_class != "write" {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "effect_class",
             "effect_class must be read or write",
         ));
@@ -348,7 +350,7 @@ pub async fn start_operation(
         owner: loaded.rec.owner.clone(),
         parent: Some(sid.clone()),
         state: op.state.clone(),
-        body: serde_json::to_value(&op).map_err(GwError::internal)?,
+        body: serde_json::to_value(&op).map_err(ApiError::internal)?,
         version: 1,
         created_at: op.started_at,
         due_at: None,
@@ -380,9 +382,9 @@ pub async fn complete_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     PathIds((sid, op_id)): PathIds,
     Signed(req): Signed<CompleteOperation>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !["succeeded", "failed", "cancelled"].contains(&req.state.as_str()) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "state",
             "state must be succeeded, failed or cancelled",
         ));
@@ -398,7 +400,7 @@ pub async fn complete_operation(
         .ok_or(ApiError::NotFound)?;
     let mut op: OperationDoc = decode(&rec)?;
     if op.state != "running" {
-        return Err(ApiError::InvalidState("the operation has ended".into()).into());
+        return Err(ApiError::InvalidState("the operation has ended".into()));
     }
     op.state = req.state;
     op.output = req.output.map(|mut o| {
@@ -432,9 +434,9 @@ pub async fn output(
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
     Signed(req): Signed<Output>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !["assistant", "stdout", "stderr"].contains(&req.stream.as_str()) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "stream",
             "stream must be assistant, stdout or stderr",
         ));
@@ -471,9 +473,9 @@ pub async fn complete_submission(
     Extension(gw): Extension<Arc<Gateway>>,
     PathIds((sid, sub_id)): PathIds,
     Signed(req): Signed<CompleteSubmission>,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !["completed", "failed", "cancelled"].contains(&req.state.as_str()) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "state",
             "state must be completed, failed or cancelled",
         ));
@@ -527,14 +529,16 @@ pub async fn kill_worker(
     Extension(gw): Extension<Arc<Gateway>>,
     _admin: Admin,
     PathId(sid): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !plausible_id(&sid, "ses_") || gw.session(Scope::System, &sid).await?.is_none() {
-        return Err(ApiError::NotFound.into());
+        return Err(ApiError::NotFound);
     }
     let rt = gw.rt(&sid);
     let worker = rt.worker();
     let Some(pid) = worker else {
-        return Err(ApiError::InvalidState("the session has no running worker".into()).into());
+        return Err(ApiError::InvalidState(
+            "the session has no running worker".into(),
+        ));
     };
     gw.kill_worker(&pid).await?;
     // Record the outcome now rather than at the next supervision pass.
@@ -546,9 +550,9 @@ pub async fn bridge_credentials(
     Extension(gw): Extension<Arc<Gateway>>,
     _admin: Admin,
     PathId(sid): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !plausible_id(&sid, "ses_") {
-        return Err(ApiError::NotFound.into());
+        return Err(ApiError::NotFound);
     }
     let loaded = gw
         .session(Scope::System, &sid)

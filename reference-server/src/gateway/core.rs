@@ -21,10 +21,11 @@ use crate::sandbox::{LocalProvider, Signal};
 use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError, StoreLock};
 
 use super::config::GatewayConfig;
-use super::http::{GwError, GwResult};
+use super::http::ApiResult;
 use super::model::{
     Cleanup, OperationDoc, Outcome, SessionDoc, SubmissionDoc, rfc3339, session_stream,
 };
+use crate::api::ApiError;
 
 /// How long the log of a deleted session stays readable, so open streams deliver
 /// `session.deleted` before it goes.
@@ -121,13 +122,13 @@ pub struct Loaded {
     pub doc: SessionDoc,
 }
 
-pub fn decode<T: serde::de::DeserializeOwned>(rec: &Record) -> GwResult<T> {
+pub fn decode<T: serde::de::DeserializeOwned>(rec: &Record) -> ApiResult<T> {
     serde_json::from_value(rec.body.clone())
-        .map_err(|e| GwError::internal(format!("{} body {}: {e}", rec.kind.as_str(), rec.id)))
+        .map_err(|e| ApiError::internal(format!("{} body {}: {e}", rec.kind.as_str(), rec.id)))
 }
 
-fn encode<T: serde::Serialize>(doc: &T) -> GwResult<Value> {
-    serde_json::to_value(doc).map_err(GwError::internal)
+fn encode<T: serde::Serialize>(doc: &T) -> ApiResult<Value> {
+    serde_json::to_value(doc).map_err(ApiError::internal)
 }
 
 impl Gateway {
@@ -144,7 +145,7 @@ impl Gateway {
 
     /// Takes the session's lock: first in this process, then across processes, so that a
     /// process waits on the database for at most one holder per session.
-    pub async fn lock<'a>(&self, rt: &'a SessionRt, sid: &str) -> GwResult<SessionGuard<'a>> {
+    pub async fn lock<'a>(&self, rt: &'a SessionRt, sid: &str) -> ApiResult<SessionGuard<'a>> {
         let local = rt.lock.lock().await;
         let shared = self.state.store.lock(&format!("session:{sid}")).await?;
         Ok(SessionGuard {
@@ -160,7 +161,7 @@ impl Gateway {
 
     /// Whether this process supervises the session: it is the session's home, or the home has
     /// been dead for the store's takeover grace (or the session has none).
-    async fn is_home(&self, doc: &SessionDoc) -> GwResult<bool> {
+    async fn is_home(&self, doc: &SessionDoc) -> ApiResult<bool> {
         let Some(home) = doc.home.as_deref() else {
             return Ok(true);
         };
@@ -215,22 +216,22 @@ impl Gateway {
         lock(&self.runtimes).remove(sid);
     }
 
-    pub fn provider(&self, qualified: &str) -> GwResult<(Arc<LocalProvider>, String)> {
-        let (provider, local) = qualified
-            .split_once(':')
-            .ok_or_else(|| GwError::internal(format!("stored id without provider: {qualified}")))?;
+    pub fn provider(&self, qualified: &str) -> ApiResult<(Arc<LocalProvider>, String)> {
+        let (provider, local) = qualified.split_once(':').ok_or_else(|| {
+            ApiError::internal(format!("stored id without provider: {qualified}"))
+        })?;
         let p = self
             .state
             .providers
             .get(provider)
             .cloned()
-            .ok_or_else(|| GwError::internal(format!("unknown provider {provider}")))?;
+            .ok_or_else(|| ApiError::internal(format!("unknown provider {provider}")))?;
         Ok((p, local.to_owned()))
     }
 
     // ----- reading -----
 
-    pub async fn session(&self, scope: Scope<'_>, sid: &str) -> GwResult<Option<Loaded>> {
+    pub async fn session(&self, scope: Scope<'_>, sid: &str) -> ApiResult<Option<Loaded>> {
         match self.state.store.get(Kind::Session, scope, sid).await? {
             None => Ok(None),
             Some(rec) => {
@@ -247,7 +248,7 @@ impl Gateway {
         kind: Kind,
         sid: &str,
         state: Option<&str>,
-    ) -> GwResult<Vec<(Record, T)>> {
+    ) -> ApiResult<Vec<(Record, T)>> {
         let mut q = ListQuery::new(kind, Scope::System);
         q.parent = Some(sid);
         q.state = state;
@@ -265,11 +266,11 @@ impl Gateway {
         &self,
         sid: &str,
         state: Option<&str>,
-    ) -> GwResult<Vec<(Record, SubmissionDoc)>> {
+    ) -> ApiResult<Vec<(Record, SubmissionDoc)>> {
         self.children(Kind::Submission, sid, state).await
     }
 
-    pub async fn active_submission(&self, sid: &str) -> GwResult<Option<(Record, SubmissionDoc)>> {
+    pub async fn active_submission(&self, sid: &str) -> ApiResult<Option<(Record, SubmissionDoc)>> {
         for st in ["running", "cancelling"] {
             if let Some(found) = self.submissions(sid, Some(st)).await?.into_iter().next() {
                 return Ok(Some(found));
@@ -282,11 +283,11 @@ impl Gateway {
         &self,
         sid: &str,
         state: Option<&str>,
-    ) -> GwResult<Vec<(Record, OperationDoc)>> {
+    ) -> ApiResult<Vec<(Record, OperationDoc)>> {
         self.children(Kind::Operation, sid, state).await
     }
 
-    pub async fn session_view(&self, loaded: &Loaded) -> GwResult<Value> {
+    pub async fn session_view(&self, loaded: &Loaded) -> ApiResult<Value> {
         let sid = &loaded.doc.id;
         let active = self.active_submission(sid).await?.map(|(_, d)| d.id);
         let depth = self.submissions(sid, Some("queued")).await?.len();
@@ -295,7 +296,7 @@ impl Gateway {
     }
 
     /// 1-based position among the session's queued submissions.
-    pub async fn queue_position(&self, sub: &SubmissionDoc) -> GwResult<Option<usize>> {
+    pub async fn queue_position(&self, sub: &SubmissionDoc) -> ApiResult<Option<usize>> {
         if sub.state != "queued" {
             return Ok(None);
         }
@@ -306,13 +307,13 @@ impl Gateway {
             .map(|i| i + 1))
     }
 
-    pub async fn submission_view(&self, sub: &SubmissionDoc) -> GwResult<Value> {
+    pub async fn submission_view(&self, sub: &SubmissionDoc) -> ApiResult<Value> {
         Ok(sub.view(self.queue_position(sub).await?))
     }
 
     // ----- writing (callers hold the session lock) -----
 
-    pub async fn append(&self, sid: &str, kind: &str, fields: Value) -> GwResult<Event> {
+    pub async fn append(&self, sid: &str, kind: &str, fields: Value) -> ApiResult<Event> {
         let mut data = json!({
             "type": kind,
             "created_at": rfc3339(now()),
@@ -328,14 +329,14 @@ impl Gateway {
             .await?)
     }
 
-    pub async fn save_session(&self, loaded: &mut Loaded) -> GwResult<()> {
+    pub async fn save_session(&self, loaded: &mut Loaded) -> ApiResult<()> {
         loaded.rec.body = encode(&loaded.doc)?;
         loaded.rec.state = loaded.doc.state.clone();
         loaded.rec = self.state.store.update(&loaded.rec).await?;
         Ok(())
     }
 
-    pub async fn save_submission(&self, rec: &mut Record, doc: &SubmissionDoc) -> GwResult<()> {
+    pub async fn save_submission(&self, rec: &mut Record, doc: &SubmissionDoc) -> ApiResult<()> {
         rec.body = encode(doc)?;
         rec.state = doc.state.clone();
         rec.due_at = doc.result_expires_at;
@@ -343,7 +344,7 @@ impl Gateway {
         Ok(())
     }
 
-    pub async fn save_operation(&self, rec: &mut Record, doc: &OperationDoc) -> GwResult<()> {
+    pub async fn save_operation(&self, rec: &mut Record, doc: &OperationDoc) -> ApiResult<()> {
         rec.body = encode(doc)?;
         rec.state = doc.state.clone();
         *rec = self.state.store.update(rec).await?;
@@ -364,7 +365,7 @@ impl Gateway {
         doc: &mut SubmissionDoc,
         state: &str,
         extra: Value,
-    ) -> GwResult<()> {
+    ) -> ApiResult<()> {
         doc.state = state.to_owned();
         let t = now();
         doc.ended_at = Some(t);
@@ -415,7 +416,7 @@ impl Gateway {
 
     /// Copies the files below `artifacts/` that the submission created or changed, records
     /// them, and appends `artifact.created` for each (before the terminal event).
-    async fn collect_artifacts(&self, doc: &SubmissionDoc) -> GwResult<()> {
+    async fn collect_artifacts(&self, doc: &SubmissionDoc) -> ApiResult<()> {
         let Some(session) = self.session(Scope::System, &doc.session_id).await? else {
             return Ok(());
         };
@@ -435,8 +436,8 @@ impl Gateway {
         };
         let found = tokio::task::spawn_blocking(move || super::artifacts::scan(&files))
             .await
-            .map_err(GwError::internal)?
-            .map_err(|e| GwError::internal(format!("scanning artifacts: {e}")))?;
+            .map_err(ApiError::internal)?
+            .map_err(|e| ApiError::internal(format!("scanning artifacts: {e}")))?;
         let dir = self.state.config.data_dir.join("artifacts");
         for file in super::artifacts::changed(found, baseline.as_ref()) {
             let art = super::artifacts::ArtifactDoc {
@@ -453,13 +454,13 @@ impl Gateway {
             };
             tokio::fs::create_dir_all(&dir)
                 .await
-                .map_err(GwError::internal)?;
+                .map_err(ApiError::internal)?;
             tokio::fs::write(
                 super::artifacts::content_path(&self.state.config.data_dir, &art.id),
                 &file.bytes,
             )
             .await
-            .map_err(GwError::internal)?;
+            .map_err(ApiError::internal)?;
             self.state
                 .store
                 .insert(&Record {
@@ -489,7 +490,7 @@ impl Gateway {
         &self,
         sid: &str,
         sub_id: &str,
-    ) -> GwResult<Vec<super::artifacts::ArtifactDoc>> {
+    ) -> ApiResult<Vec<super::artifacts::ArtifactDoc>> {
         let mut q = ListQuery::new(Kind::Artifact, Scope::System);
         q.parent = Some(sid);
         let mut out = Vec::new();
@@ -508,7 +509,7 @@ impl Gateway {
         sid: &str,
         sub_id: &str,
         state: &str,
-    ) -> GwResult<Vec<String>> {
+    ) -> ApiResult<Vec<String>> {
         let mut ended = Vec::new();
         for (mut rec, mut op) in self.operations(sid, Some("running")).await? {
             if op.submission_id != sub_id {
@@ -532,7 +533,7 @@ impl Gateway {
     /// The worker running `session`'s active submission is gone (`worker_lost`) or its lease
     /// ran out (`lease_expired`): the submission becomes `uncertain`, never replayed, and the
     /// session pauses unless it was created with `on_uncertain: continue`.
-    pub async fn make_uncertain(&self, loaded: &mut Loaded, reason: &str) -> GwResult<()> {
+    pub async fn make_uncertain(&self, loaded: &mut Loaded, reason: &str) -> ApiResult<()> {
         let sid = loaded.doc.id.clone();
         let Some((mut rec, mut sub)) = self.active_submission(&sid).await? else {
             return Ok(());
@@ -585,7 +586,7 @@ impl Gateway {
     }
 
     /// Makes the current lease generation stale without issuing a new one.
-    pub async fn revoke_lease(&self, loaded: &mut Loaded, rt: &SessionRt) -> GwResult<()> {
+    pub async fn revoke_lease(&self, loaded: &mut Loaded, rt: &SessionRt) -> ApiResult<()> {
         rt.live().lease_expires = None;
         if loaded.doc.lease_generation.is_some() && !loaded.doc.lease_revoked {
             loaded.doc.lease_revoked = true;
@@ -597,17 +598,17 @@ impl Gateway {
     // ----- workers -----
 
     /// The model endpoint given to workers.
-    pub async fn model_base_url(&self) -> GwResult<String> {
+    pub async fn model_base_url(&self) -> ApiResult<String> {
         let url = self
             .model_url
             .get_or_try_init(|| async {
                 if let Some(url) = &self.cfg.model_base_url {
-                    return Ok::<_, GwError>(url.clone());
+                    return Ok::<_, ApiError>(url.clone());
                 }
                 let server =
                     crate::model_fixture::FixtureServer::start(self.cfg.fixtures_dir.clone())
                         .await
-                        .map_err(|e| GwError::internal(format!("fixture model server: {e}")))?;
+                        .map_err(|e| ApiError::internal(format!("fixture model server: {e}")))?;
                 let url = server.base_url();
                 *lock(&self.fixture) = Some(server);
                 Ok(url)
@@ -618,11 +619,11 @@ impl Gateway {
 
     /// The worker's command line: the configured binary; else `sandspec-worker` beside the
     /// running executable; else the running executable's `worker` subcommand.
-    fn worker_command(&self) -> GwResult<Vec<String>> {
+    fn worker_command(&self) -> ApiResult<Vec<String>> {
         if let Some(p) = &self.cfg.worker_bin {
             return Ok(vec![p.to_string_lossy().into_owned()]);
         }
-        let exe = std::env::current_exe().map_err(GwError::internal)?;
+        let exe = std::env::current_exe().map_err(ApiError::internal)?;
         let sibling = exe.with_file_name("sandspec-worker");
         if sibling.is_file() {
             return Ok(vec![sibling.to_string_lossy().into_owned()]);
@@ -644,7 +645,7 @@ impl Gateway {
         loaded: &Loaded,
         sandbox: &Record,
         rt: &SessionRt,
-    ) -> GwResult<()> {
+    ) -> ApiResult<()> {
         let (provider, local) = self.provider(&sandbox.id)?;
         let model_url = self.model_base_url().await?;
         let process_local = provider.allocate_local_id(IdKind::Process);
@@ -729,7 +730,7 @@ impl Gateway {
             .await
         {
             let _ = self.state.store.delete(Kind::Process, &rec.id).await;
-            return Err(GwError::internal(format!("starting the worker: {e}")));
+            return Err(ApiError::internal(format!("starting the worker: {e}")));
         }
         let secret = format!("{}\n", loaded.doc.bridge_secret);
         if let Err(e) = provider
@@ -746,7 +747,7 @@ impl Gateway {
     }
 
     /// Whether the worker process `process_id` is still running.
-    async fn worker_alive(&self, process_id: &str) -> GwResult<bool> {
+    async fn worker_alive(&self, process_id: &str) -> ApiResult<bool> {
         Ok(self
             .state
             .store
@@ -756,7 +757,7 @@ impl Gateway {
     }
 
     /// SIGKILLs the worker's process group and waits until its exit is recorded.
-    pub async fn kill_worker(&self, process_id: &str) -> GwResult<()> {
+    pub async fn kill_worker(&self, process_id: &str) -> ApiResult<()> {
         let (provider, _) = self.provider(process_id)?;
         match provider.signal(process_id, Signal::Kill) {
             Ok(())
@@ -764,7 +765,7 @@ impl Gateway {
                 crate::sandbox::ProviderError::ProcessExited
                 | crate::sandbox::ProviderError::NotFound,
             ) => {}
-            Err(e) => return Err(GwError::internal(format!("killing the worker: {e}"))),
+            Err(e) => return Err(ApiError::internal(format!("killing the worker: {e}"))),
         }
         let deadline = Instant::now() + KILL_WAIT;
         while Instant::now() < deadline {
@@ -773,7 +774,7 @@ impl Gateway {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Err(GwError::internal("the worker did not exit after SIGKILL"))
+        Err(ApiError::internal("the worker did not exit after SIGKILL"))
     }
 
     // ----- supervision -----
@@ -844,7 +845,7 @@ impl Gateway {
 
     /// Drops the output of results and the content of artifacts past their retention; their
     /// metadata stays (reads answer 410).
-    async fn expire_results(&self) -> GwResult<()> {
+    async fn expire_results(&self) -> ApiResult<()> {
         if self.state.config.defects.has(Defect::ResultNeverExpires) {
             return Ok(());
         }
@@ -879,7 +880,7 @@ impl Gateway {
 
     /// Drops the session's events older than `retention.events_s`; cursors before them are
     /// answered 410 `cursor_expired` from then on.
-    async fn purge_old_events(&self, sid: &str) -> GwResult<()> {
+    async fn purge_old_events(&self, sid: &str) -> ApiResult<()> {
         let stream = session_stream(sid);
         let store = &self.state.store;
         let cutoff = now()
@@ -910,7 +911,7 @@ impl Gateway {
     /// One supervision pass over one session. Only the session's home process supervises it
     /// (it started the session's worker, whose bridge requests come to it); another process
     /// takes over once the home has been dead for the takeover grace.
-    pub async fn supervise(&self, sid: &str) -> GwResult<()> {
+    pub async fn supervise(&self, sid: &str) -> ApiResult<()> {
         let rt = self.rt(sid);
         let Some(seen) = self.session(Scope::System, sid).await? else {
             self.forget(sid);
@@ -1074,7 +1075,7 @@ impl Gateway {
 
     /// The session cannot run work (its sandbox is gone, its worker cannot start): queued
     /// submissions fail instead of waiting forever.
-    async fn fail_queued(&self, loaded: &Loaded, code: &str, message: &str) -> GwResult<()> {
+    async fn fail_queued(&self, loaded: &Loaded, code: &str, message: &str) -> ApiResult<()> {
         for (mut rec, mut sub) in self.submissions(&loaded.doc.id, Some("queued")).await? {
             let error = super::model::ErrorBody {
                 code: code.to_owned(),
@@ -1089,7 +1090,7 @@ impl Gateway {
 
     /// Deleting: end the worker, dispose of (owned) or detach from (borrowed) the sandbox,
     /// and remove the session only once the sandbox's absence is confirmed.
-    async fn drive_cleanup(&self, loaded: &mut Loaded, rt: &SessionRt) -> GwResult<()> {
+    async fn drive_cleanup(&self, loaded: &mut Loaded, rt: &SessionRt) -> ApiResult<()> {
         let worker = rt.take_worker();
         if let Some(pid) = worker {
             self.kill_worker(&pid).await?;
@@ -1130,15 +1131,13 @@ impl Gateway {
                             .delete(Kind::Sandbox, &rec.id)
                             .await
                             .map(|_| ())
-                            .map_err(GwError::from)
+                            .map_err(ApiError::from)
                     }
-                    Some(rec) => crate::api::destroy_sandbox(&self.state, &rec)
-                        .await
-                        .map_err(GwError::from),
+                    Some(rec) => crate::api::destroy_sandbox(&self.state, &rec).await,
                     None => provider
                         .destroy(&local)
                         .await
-                        .map_err(|e| GwError::internal(e.to_string())),
+                        .map_err(|e| ApiError::internal(e.to_string())),
                 };
                 cleanup.last_error = attempt.err().map(|e| e.to_string());
                 let absent = self
@@ -1172,7 +1171,7 @@ impl Gateway {
     }
 
     /// Removes the session and everything below it; its log ends with `session.deleted`.
-    async fn finish_delete(&self, loaded: &Loaded) -> GwResult<()> {
+    async fn finish_delete(&self, loaded: &Loaded) -> ApiResult<()> {
         let sid = loaded.doc.id.clone();
         for kind in [Kind::Operation, Kind::Submission, Kind::Artifact] {
             let mut q = ListQuery::new(kind, Scope::System);
@@ -1248,7 +1247,7 @@ impl Gateway {
         requested: crate::domain::Resources,
         timeout_s: u64,
         from_snapshot: Option<&str>,
-    ) -> GwResult<()> {
+    ) -> ApiResult<()> {
         let (provider, local) = self.provider(&sandbox.id)?;
         let created = provider.create(&local, &requested, from_snapshot).await;
         let _guard = self.lock(rt, sid).await?;
@@ -1259,7 +1258,7 @@ impl Gateway {
             Ok(g) => g,
             Err(e) => {
                 self.state.store.delete(Kind::Sandbox, &sandbox.id).await?;
-                return Err(GwError::internal(format!("provider create: {e}")));
+                return Err(ApiError::internal(format!("provider create: {e}")));
             }
         };
         let leak = self.state.config.defects.has(Defect::LateCreateLeaks);
@@ -1267,7 +1266,7 @@ impl Gateway {
             provider
                 .destroy(&local)
                 .await
-                .map_err(|e| GwError::internal(e.to_string()))?;
+                .map_err(|e| ApiError::internal(e.to_string()))?;
             self.state.store.delete(Kind::Sandbox, &sandbox.id).await?;
             return Ok(());
         }
@@ -1288,7 +1287,7 @@ impl Gateway {
                 provider
                     .destroy(&local)
                     .await
-                    .map_err(|e| GwError::internal(e.to_string()))?;
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
                 return Ok(());
             }
         };
@@ -1315,7 +1314,7 @@ impl Gateway {
                 provider
                     .destroy(&local)
                     .await
-                    .map_err(|e| GwError::internal(e.to_string()))?;
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
                 Ok(())
             }
             Err(e) => Err(e.into()),

@@ -17,7 +17,7 @@ use crate::store::{Kind, Scope, StoreError};
 use crate::stream::sse::{self, EventTest, Finished, Options, Subject};
 
 use super::core::Gateway;
-use super::http::{Caller, GwError, GwResult};
+use super::http::{ApiResult, Caller};
 use super::model::{SUBMISSION_TERMINAL, session_stream};
 use super::routes::{PathId, query_pairs};
 use super::sessions::owned_session;
@@ -30,7 +30,7 @@ pub async fn session_events(
     PathId(sid): PathId,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let stream = session_stream(&sid);
@@ -63,7 +63,7 @@ pub async fn submission_events(
     PathId(id): PathId,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     let q = query_pairs(query.as_deref());
     let sid = doc.session_id;
@@ -160,7 +160,7 @@ async fn sse_response(
     headers: &HeaderMap,
     q: &BTreeMap<String, String>,
     subject: Subject,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     sse::check_accept(headers)?;
     let cursor = sse::parse_cursor(headers, q.get("after").map(String::as_str))?;
     let limits = &state.config.limits;
@@ -196,15 +196,14 @@ async fn json_page(
     stream: &str,
     after: Option<&str>,
     limit: Option<&str>,
-) -> GwResult<Response> {
-    let after = match after {
-        None => 0,
-        Some(raw) => raw
-            .parse::<i64>()
-            .ok()
-            .filter(|n| *n >= 0)
-            .ok_or_else(|| GwError::invalid("after", "after must be a non-negative integer"))?,
-    };
+) -> ApiResult<Response> {
+    let after =
+        match after {
+            None => 0,
+            Some(raw) => raw.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+                ApiError::invalid("after", "after must be a non-negative integer")
+            })?,
+        };
     let limits = &state.config.limits;
     let limit = match limit {
         None => limits.default_page_size,
@@ -213,7 +212,7 @@ async fn json_page(
             .ok()
             .filter(|n| (1..=limits.max_page_size).contains(n))
             .ok_or_else(|| {
-                GwError::invalid(
+                ApiError::invalid(
                     "limit",
                     format!("limit must be between 1 and {}", limits.max_page_size),
                 )
@@ -223,7 +222,7 @@ async fn json_page(
     let mut after = after;
     if after < bounds.purged_through {
         if !state.config.defects.has(Defect::ExpiredCursorSkips) {
-            return Err(ApiError::CursorExpired.into());
+            return Err(ApiError::CursorExpired);
         }
         // The defect: the page silently starts at the oldest retained event.
         after = bounds.purged_through;

@@ -1,108 +1,13 @@
-//! What the gateway's handlers need from HTTP: the gateway's own problem codes, and (shared
-//! with `api`, rule for rule) the caller, the admin, strict JSON, idempotent creation and pages.
+//! What the gateway's handlers need from HTTP, shared with `api` rule for rule: its errors (one
+//! mapping to problem bodies, in `api::error`), the caller, the admin, strict JSON, idempotent
+//! creation and pages.
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::HeaderMap;
 use serde::de::DeserializeOwned;
 
-use crate::api::{ApiError, AppState, Problem};
-use crate::store::StoreError;
-use crate::stream::sse::SseError;
+use crate::api::{ApiError, AppState};
 
-/// A failure of a gateway request: one of the shared codes, or one only the gateway uses.
-#[derive(Debug, thiserror::Error)]
-pub enum GwError {
-    #[error(transparent)]
-    Api(#[from] ApiError),
-    #[error("{detail}")]
-    Coded {
-        status: StatusCode,
-        code: &'static str,
-        detail: String,
-        retry_after_s: Option<u64>,
-    },
-}
-
-impl GwError {
-    pub fn coded(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
-        GwError::Coded {
-            status,
-            code,
-            detail: detail.into(),
-            retry_after_s: None,
-        }
-    }
-
-    pub fn session_not_active() -> Self {
-        Self::coded(
-            StatusCode::CONFLICT,
-            "session_not_active",
-            "the session is being deleted",
-        )
-    }
-
-    pub fn lease_lost() -> Self {
-        Self::coded(
-            StatusCode::CONFLICT,
-            "lease_lost",
-            "the lease generation is not current",
-        )
-    }
-
-    pub fn invalid(param: &str, detail: impl Into<String>) -> Self {
-        GwError::Api(ApiError::invalid(param, detail))
-    }
-
-    pub fn internal(e: impl std::fmt::Display) -> Self {
-        GwError::Api(ApiError::internal(e))
-    }
-}
-
-impl From<StoreError> for GwError {
-    fn from(e: StoreError) -> Self {
-        GwError::Api(e.into())
-    }
-}
-
-impl From<SseError> for GwError {
-    fn from(e: SseError) -> Self {
-        GwError::Api(e.into())
-    }
-}
-
-impl IntoResponse for GwError {
-    fn into_response(self) -> Response {
-        let (status, code, detail, retry_after_s) = match self {
-            GwError::Api(e) => return e.into_response(),
-            GwError::Coded {
-                status,
-                code,
-                detail,
-                retry_after_s,
-            } => (status, code, detail, retry_after_s),
-        };
-        let problem = Problem {
-            type_: format!("https://sandspec.dev/problems/{code}"),
-            title: status.canonical_reason().unwrap_or("Error"),
-            status: status.as_u16(),
-            detail,
-            code,
-            request_id: String::new(),
-            retryable: retry_after_s.map(|_| true),
-            param: None,
-        };
-        let mut response = problem.clone().render("");
-        if let Some(s) = retry_after_s {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(s));
-        }
-        response.extensions_mut().insert(problem);
-        response
-    }
-}
-
-pub type GwResult<T> = Result<T, GwError>;
+pub(crate) use crate::api::error::ApiResult;
 
 pub(crate) use crate::api::extract::{Admin, Caller, idempotency_key, parse_json};
 pub(crate) use crate::api::idempotency::{Created, IdemRequest, run as idempotent};

@@ -21,8 +21,7 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::core::{Gateway, Loaded};
 use super::http::{
-    Caller, Created, GwError, GwResult, IdemRequest, PageRequest, idempotency_key, idempotent,
-    json_body,
+    ApiResult, Caller, Created, IdemRequest, PageRequest, idempotency_key, idempotent, json_body,
 };
 use super::model::{Agent, Cleanup, SessionDoc, new_id, plausible_id};
 use super::signing::new_secret;
@@ -91,9 +90,9 @@ pub async fn read_body(
         .map_err(|_| ApiError::PayloadTooLarge)
 }
 
-fn validate_metadata(metadata: &BTreeMap<String, String>, param: &str) -> GwResult<()> {
+fn validate_metadata(metadata: &BTreeMap<String, String>, param: &str) -> ApiResult<()> {
     if metadata.len() > MAX_METADATA_KEYS {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             param,
             format!("at most {MAX_METADATA_KEYS} metadata keys"),
         ));
@@ -103,7 +102,7 @@ fn validate_metadata(metadata: &BTreeMap<String, String>, param: &str) -> GwResu
             && k.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
         if !key_ok || v.chars().count() > 256 {
-            return Err(GwError::invalid(
+            return Err(ApiError::invalid(
                 param,
                 "metadata keys are 1 to 64 characters of [A-Za-z0-9_.-], values at most 256",
             ));
@@ -124,19 +123,19 @@ struct OwnedPlan {
     from_snapshot: Option<String>,
 }
 
-fn plan_owned(state: &AppState, req: CreateSandboxReq) -> GwResult<OwnedPlan> {
+fn plan_owned(state: &AppState, req: CreateSandboxReq) -> ApiResult<OwnedPlan> {
     const P: &str = "sandbox.create.";
     let provider = req
         .provider
         .unwrap_or_else(|| state.providers.default_name().to_owned());
     if state.providers.get(&provider).is_none() {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             &format!("{P}provider"),
             "unknown provider",
         ));
     }
     if req.template.as_deref().is_some_and(|t| t != TEMPLATE) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             &format!("{P}template"),
             "unknown template",
         ));
@@ -147,13 +146,13 @@ fn plan_owned(state: &AppState, req: CreateSandboxReq) -> GwResult<OwnedPlan> {
         memory_mb: res.memory_mb.unwrap_or(512),
     };
     if !(requested.cpu.is_finite() && requested.cpu > 0.0) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             &format!("{P}resources.cpu"),
             "cpu must be greater than 0",
         ));
     }
     if requested.memory_mb == 0 {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             &format!("{P}resources.memory_mb"),
             "memory_mb must be greater than 0",
         ));
@@ -161,7 +160,7 @@ fn plan_owned(state: &AppState, req: CreateSandboxReq) -> GwResult<OwnedPlan> {
     let limits = &state.config.limits;
     let timeout_s = req.timeout_s.unwrap_or(limits.default_timeout_s);
     if !(1..=limits.max_timeout_s).contains(&timeout_s) {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             &format!("{P}timeout_s"),
             format!("timeout_s must be between 1 and {}", limits.max_timeout_s),
         ));
@@ -171,7 +170,7 @@ fn plan_owned(state: &AppState, req: CreateSandboxReq) -> GwResult<OwnedPlan> {
     let env = req.env.unwrap_or_default();
     for (k, v) in &env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(GwError::invalid(
+            return Err(ApiError::invalid(
                 &format!("{P}env"),
                 "invalid environment variable",
             ));
@@ -200,7 +199,7 @@ pub async fn create(
     OriginalUri(uri): OriginalUri,
     headers: HeaderMap,
     body: Body,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let key = idempotency_key(&headers)?;
     let raw = read_body(&headers, body, state.config.limits.max_body_bytes).await?;
     if state.config.defects.has(Defect::RejectedRequestWritesState) {
@@ -234,7 +233,7 @@ pub async fn create(
                 owner: caller.principal.clone(),
                 parent: None,
                 state: placeholder.state.clone(),
-                body: serde_json::to_value(&placeholder).map_err(GwError::internal)?,
+                body: serde_json::to_value(&placeholder).map_err(ApiError::internal)?,
                 version: 1,
                 created_at: placeholder.created_at,
                 due_at: None,
@@ -248,7 +247,7 @@ pub async fn create(
     });
     let model = agent.model.unwrap_or_default();
     if model.is_empty() || model.chars().count() > 256 {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "agent.model",
             "agent.model must be 1 to 256 characters",
         ));
@@ -258,14 +257,14 @@ pub async fn create(
         .as_ref()
         .is_some_and(|i| i.chars().count() > 65536)
     {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "agent.instructions",
             "instructions are at most 65536 characters",
         ));
     }
     let on_uncertain = req.on_uncertain.unwrap_or_else(|| "pause".into());
     if on_uncertain != "pause" && on_uncertain != "continue" {
-        return Err(GwError::invalid(
+        return Err(ApiError::invalid(
             "on_uncertain",
             "on_uncertain must be pause or continue",
         ));
@@ -282,7 +281,7 @@ pub async fn create(
             attach: Some(a),
         }) => Plan::Attach(a),
         _ => {
-            return Err(GwError::invalid(
+            return Err(ApiError::invalid(
                 "sandbox",
                 "exactly one of sandbox.create and sandbox.attach",
             ));
@@ -343,7 +342,7 @@ async fn create_session(
     principal: String,
     mut doc: SessionDoc,
     plan: Plan,
-) -> GwResult<Created> {
+) -> ApiResult<Created> {
     let state = gw.state.clone();
     let mut owned = None;
     match plan {
@@ -351,7 +350,7 @@ async fn create_session(
             let (id, _) = QualifiedId::parse(&raw, state.providers.default_name())
                 .map_err(|_| ApiError::NotFound)?;
             if state.providers.get(&id.provider).is_none() {
-                return Err(ApiError::NotFound.into());
+                return Err(ApiError::NotFound);
             }
             let sandbox = state
                 .store
@@ -359,7 +358,7 @@ async fn create_session(
                 .await?
                 .ok_or(ApiError::NotFound)?;
             if sandbox.state == SandboxState::Paused.as_str() {
-                return Err(ApiError::InvalidState("the sandbox is paused".into()).into());
+                return Err(ApiError::InvalidState("the sandbox is paused".into()));
             }
             let conn = Connection {
                 id: new_local_id(IdKind::Connection),
@@ -375,7 +374,7 @@ async fn create_session(
                     owner: principal.clone(),
                     parent: Some(sandbox.id.clone()),
                     state: "open".into(),
-                    body: serde_json::to_value(&conn).map_err(GwError::internal)?,
+                    body: serde_json::to_value(&conn).map_err(ApiError::internal)?,
                     version: 1,
                     created_at: conn.created_at,
                     due_at: None,
@@ -390,14 +389,14 @@ async fn create_session(
                 .providers
                 .get(&plan.provider)
                 .cloned()
-                .ok_or_else(|| GwError::invalid("sandbox.create.provider", "unknown provider"))?;
+                .ok_or_else(|| ApiError::invalid("sandbox.create.provider", "unknown provider"))?;
             let _serial = state.create_lock.lock().await;
             let live = state
                 .store
                 .list(&ListQuery::new(Kind::Sandbox, Scope::Owner(&principal)))
                 .await?;
             if live.len() >= state.config.limits.max_sandboxes_per_principal as usize {
-                return Err(ApiError::QuotaExceeded("too many live sandboxes".into()).into());
+                return Err(ApiError::QuotaExceeded("too many live sandboxes".into()));
             }
             if !provider.capacity().covers(&plan.requested) {
                 return Err(ApiError::ResourcesUnsatisfiable(format!(
@@ -405,13 +404,12 @@ async fn create_session(
                     provider.name(),
                     provider.capacity().cpu,
                     provider.capacity().memory_mb
-                ))
-                .into());
+                )));
             }
             let snapshot_local = match &plan.from_snapshot {
                 None => None,
                 Some(raw) => {
-                    let not_found = || GwError::from(ApiError::NotFound);
+                    let not_found = || ApiError::NotFound;
                     let (id, _) = QualifiedId::parse(raw, state.providers.default_name())
                         .map_err(|_| not_found())?;
                     state
@@ -420,7 +418,7 @@ async fn create_session(
                         .await?
                         .ok_or_else(not_found)?;
                     if id.provider != plan.provider {
-                        return Err(GwError::invalid(
+                        return Err(ApiError::invalid(
                             "sandbox.create.from_snapshot",
                             "the snapshot belongs to another provider",
                         ));
@@ -449,7 +447,7 @@ async fn create_session(
                     session_id: Some(doc.id.clone()),
                 },
             };
-            let mut body = serde_json::to_value(&sandbox).map_err(GwError::internal)?;
+            let mut body = serde_json::to_value(&sandbox).map_err(ApiError::internal)?;
             if let serde_json::Value::Object(map) = &mut body {
                 map.insert("env".into(), json!(plan.env));
                 map.insert("timeout_s".into(), json!(plan.timeout_s));
@@ -480,7 +478,7 @@ async fn create_session(
         owner: principal,
         parent: None,
         state: doc.state.clone(),
-        body: serde_json::to_value(&doc).map_err(GwError::internal)?,
+        body: serde_json::to_value(&doc).map_err(ApiError::internal)?,
         version: 1,
         created_at: doc.created_at,
         due_at: None,
@@ -505,20 +503,20 @@ async fn create_session(
 }
 
 /// The caller's session, or 404 (malformed, unknown and foreign alike).
-pub async fn owned_session(gw: &Gateway, principal: &str, sid: &str) -> GwResult<Loaded> {
+pub async fn owned_session(gw: &Gateway, principal: &str, sid: &str) -> ApiResult<Loaded> {
     if !plausible_id(sid, "ses_") {
-        return Err(ApiError::NotFound.into());
+        return Err(ApiError::NotFound);
     }
     gw.session(Scope::Owner(principal), sid)
         .await?
-        .ok_or_else(|| ApiError::NotFound.into())
+        .ok_or(ApiError::NotFound)
 }
 
 pub async fn get(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     Ok(axum::Json(gw.session_view(&loaded).await?).into_response())
 }
@@ -528,13 +526,13 @@ pub async fn list(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     query: axum::extract::RawQuery,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let q = crate::gateway::routes::query_pairs(query.0.as_deref());
     let filter = match q.get("state").map(String::as_str) {
         None => None,
         Some(s @ ("active" | "paused" | "deleting")) => Some(s.to_owned()),
         Some(_) => {
-            return Err(GwError::invalid(
+            return Err(ApiError::invalid(
                 "state",
                 "state must be active, paused or deleting",
             ));
@@ -567,7 +565,7 @@ pub async fn list(
     }
     let mut views = views.into_iter();
     let body = page.page(&state, recs, |_| {
-        Ok::<_, GwError>(views.next().unwrap_or_default())
+        Ok::<_, ApiError>(views.next().unwrap_or_default())
     })?;
     Ok(axum::Json(body).into_response())
 }
@@ -576,7 +574,7 @@ pub async fn delete(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
     let view = {
@@ -622,7 +620,7 @@ pub async fn resume(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
     let _guard = gw.lock(&rt, &sid).await?;
@@ -632,13 +630,9 @@ pub async fn resume(
         .ok_or(ApiError::NotFound)?;
     match loaded.doc.state.as_str() {
         "paused" => {}
-        "deleting" => return Err(GwError::session_not_active()),
+        "deleting" => return Err(ApiError::SessionNotActive),
         _ => {
-            return Err(GwError::coded(
-                StatusCode::CONFLICT,
-                "session_not_paused",
-                "the session is not paused",
-            ));
+            return Err(ApiError::SessionNotPaused);
         }
     }
     loaded.doc.state = "active".into();
@@ -657,16 +651,16 @@ pub async fn upload(
     axum::extract::RawQuery(query): axum::extract::RawQuery,
     headers: HeaderMap,
     body: Body,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     let q = crate::gateway::routes::query_pairs(query.as_deref());
     let path = q.get("path").cloned().unwrap_or_default();
     if path.is_empty() {
-        return Err(GwError::invalid("path", "path is required"));
+        return Err(ApiError::invalid("path", "path is required"));
     }
     if loaded.doc.state == "deleting" && !state.config.defects.has(Defect::UploadToDeletingAccepted)
     {
-        return Err(GwError::session_not_active());
+        return Err(ApiError::SessionNotActive);
     }
     let bytes = read_body(&headers, body, state.config.limits.max_file_bytes).await?;
     let sandbox = state
@@ -677,13 +671,15 @@ pub async fn upload(
         .as_ref()
         .is_none_or(|s| s.state != SandboxState::Running.as_str())
     {
-        return Err(ApiError::InvalidState("the session's sandbox is not running".into()).into());
+        return Err(ApiError::InvalidState(
+            "the session's sandbox is not running".into(),
+        ));
     }
     let (provider, local) = gw.provider(&loaded.doc.sandbox_id)?;
     let files = provider.files(&local).map_err(ApiError::from)?;
     let outcome = tokio::task::spawn_blocking(move || files.write(&path, &bytes))
         .await
-        .map_err(GwError::internal)?
+        .map_err(ApiError::internal)?
         .map_err(ApiError::from)?;
     let body = json!({"path": outcome.path, "size": outcome.size, "sha256": outcome.sha256});
     Ok((StatusCode::CREATED, axum::Json(body)).into_response())

@@ -18,8 +18,7 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 use super::artifacts::ArtifactDoc;
 use super::core::{Gateway, decode};
 use super::http::{
-    Caller, Created, GwError, GwResult, IdemRequest, PageRequest, idempotency_key, idempotent,
-    json_body,
+    ApiResult, Caller, Created, IdemRequest, PageRequest, idempotency_key, idempotent, json_body,
 };
 use super::model::{OperationDoc, SubmissionDoc, new_id, plausible_id};
 use super::routes::{PathId, query_pairs};
@@ -38,16 +37,17 @@ pub async fn submit(
     PathId(sid): PathId,
     headers: HeaderMap,
     body: Body,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
-    let key = idempotency_key(&headers)?
-        .ok_or_else(|| GwError::invalid("Idempotency-Key", "submit requires an Idempotency-Key"))?;
+    let key = idempotency_key(&headers)?.ok_or_else(|| {
+        ApiError::invalid("Idempotency-Key", "submit requires an Idempotency-Key")
+    })?;
     let raw = read_body(&headers, body, state.config.limits.max_body_bytes).await?;
     let req: Submit = json_body(&state, &headers, &raw)?;
     let input = match req.input {
         Some(Value::String(s)) if !s.is_empty() => s,
         _ => {
-            return Err(GwError::invalid(
+            return Err(ApiError::invalid(
                 "input",
                 "input must be a non-empty string",
             ));
@@ -86,7 +86,7 @@ pub async fn submit(
     idempotent(&state, req, || creating, replay).await
 }
 
-async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Created> {
+async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> ApiResult<Created> {
     let rt = gw.rt(&sid);
     let created = {
         let _guard = gw.lock(&rt, &sid).await?;
@@ -96,18 +96,13 @@ async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Creat
             .ok_or(ApiError::NotFound)?;
         let defects = &gw.state.config.defects;
         if loaded.doc.state == "deleting" && !defects.has(Defect::SubmitToDeletingAccepted) {
-            return Err(GwError::session_not_active());
+            return Err(ApiError::SessionNotActive);
         }
         let queued = gw.submissions(&sid, Some("queued")).await?.len();
         if queued >= gw.state.config.limits.max_queue_depth as usize
             && !defects.has(Defect::QueueLimitUnenforced)
         {
-            return Err(GwError::Coded {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                code: "queue_full",
-                detail: "the session's queue is full".into(),
-                retry_after_s: Some(1),
-            });
+            return Err(ApiError::QueueFull);
         }
         let doc = SubmissionDoc {
             id: new_id("sub_"),
@@ -131,7 +126,7 @@ async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> GwResult<Creat
             owner: loaded.rec.owner.clone(),
             parent: Some(sid.clone()),
             state: doc.state.clone(),
-            body: serde_json::to_value(&doc).map_err(GwError::internal)?,
+            body: serde_json::to_value(&doc).map_err(ApiError::internal)?,
             version: 1,
             created_at: doc.created_at,
             due_at: None,
@@ -168,9 +163,9 @@ async fn owned<T: serde::de::DeserializeOwned>(
     prefix: &str,
     principal: &str,
     id: &str,
-) -> GwResult<(Record, T)> {
+) -> ApiResult<(Record, T)> {
     if !plausible_id(id, prefix) {
-        return Err(ApiError::NotFound.into());
+        return Err(ApiError::NotFound);
     }
     let rec = gw
         .state
@@ -187,7 +182,7 @@ pub(super) async fn owned_submission(
     gw: &Gateway,
     principal: &str,
     id: &str,
-) -> GwResult<(Record, SubmissionDoc)> {
+) -> ApiResult<(Record, SubmissionDoc)> {
     owned(gw, Kind::Submission, "sub_", principal, id).await
 }
 
@@ -195,7 +190,7 @@ pub async fn get(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     Ok(axum::Json(gw.submission_view(&doc).await?).into_response())
 }
@@ -218,7 +213,7 @@ pub async fn list(
     caller: Caller,
     PathId(sid): PathId,
     RawQuery(query): RawQuery,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let filter = q.get("state").cloned();
@@ -226,7 +221,7 @@ pub async fn list(
         .as_deref()
         .is_some_and(|s| !SUBMISSION_STATES.contains(&s))
     {
-        return Err(GwError::invalid("state", "unknown submission state"));
+        return Err(ApiError::invalid("state", "unknown submission state"));
     }
     let page = PageRequest::from_parts(
         &state,
@@ -251,7 +246,7 @@ pub async fn list(
     }
     let mut views = views.into_iter();
     let body = page.page(&state, recs, |_| {
-        Ok::<_, GwError>(views.next().unwrap_or_default())
+        Ok::<_, ApiError>(views.next().unwrap_or_default())
     })?;
     Ok(axum::Json(body).into_response())
 }
@@ -260,7 +255,7 @@ pub async fn cancel(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     let sid = doc.session_id.clone();
     let rt = gw.rt(&sid);
@@ -320,22 +315,14 @@ pub async fn result(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     if !doc.is_terminal() {
-        return Err(GwError::coded(
-            StatusCode::CONFLICT,
-            "not_terminal",
-            "the submission has not finished",
-        ));
+        return Err(ApiError::NotTerminal);
     }
     let expired = doc.result_expires_at.is_some_and(|t| now() >= t);
     if expired && !state.config.defects.has(Defect::ResultNeverExpires) {
-        return Err(GwError::coded(
-            StatusCode::GONE,
-            "result_expired",
-            "the result is past its retention",
-        ));
+        return Err(ApiError::ResultExpired);
     }
     let artifacts: Vec<Value> = gw
         .submission_artifacts(&doc.session_id, &doc.id)
@@ -354,7 +341,7 @@ pub async fn list_artifacts(
     caller: Caller,
     PathId(sid): PathId,
     RawQuery(query): RawQuery,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let submission = q.get("submission_id").cloned();
@@ -382,7 +369,7 @@ pub async fn list_artifacts(
         }
     }
     let body = page.page(&state, recs, |rec| {
-        Ok::<_, GwError>(decode::<ArtifactDoc>(rec)?.view())
+        Ok::<_, ApiError>(decode::<ArtifactDoc>(rec)?.view())
     })?;
     Ok(axum::Json(body).into_response())
 }
@@ -392,9 +379,9 @@ pub async fn artifact_content(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     if !plausible_id(&id, "art_") {
-        return Err(ApiError::NotFound.into());
+        return Err(ApiError::NotFound);
     }
     let rec = gw
         .state
@@ -404,11 +391,7 @@ pub async fn artifact_content(
         .ok_or(ApiError::NotFound)?;
     let art: ArtifactDoc = decode(&rec)?;
     if now() >= art.expires_at && !state.config.defects.has(Defect::ResultNeverExpires) {
-        return Err(GwError::coded(
-            StatusCode::GONE,
-            "artifact_expired",
-            "the artifact is past its retention",
-        ));
+        return Err(ApiError::ArtifactExpired);
     }
     let bytes = if state.config.defects.has(Defect::ArtifactTracksFile) {
         // The bug: the artifact is whatever the file in the sandbox holds now.
@@ -428,7 +411,7 @@ pub async fn artifact_content(
             &art.id,
         ))
         .await
-        .map_err(GwError::internal)?
+        .map_err(ApiError::internal)?
     };
     Ok((
         StatusCode::OK,
@@ -442,7 +425,7 @@ async fn owned_operation(
     gw: &Gateway,
     principal: &str,
     id: &str,
-) -> GwResult<(Record, OperationDoc)> {
+) -> ApiResult<(Record, OperationDoc)> {
     owned(gw, Kind::Operation, "op_", principal, id).await
 }
 
@@ -452,7 +435,7 @@ pub async fn list_operations(
     caller: Caller,
     PathId(sid): PathId,
     RawQuery(query): RawQuery,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let filter = q.get("state").cloned();
@@ -460,7 +443,7 @@ pub async fn list_operations(
         .as_deref()
         .is_some_and(|s| !OPERATION_STATES.contains(&s))
     {
-        return Err(GwError::invalid("state", "unknown operation state"));
+        return Err(ApiError::invalid("state", "unknown operation state"));
     }
     let submission = q.get("submission_id").cloned();
     let page = PageRequest::from_parts(
@@ -490,7 +473,7 @@ pub async fn list_operations(
         }
     }
     let body = page.page(&state, recs, |rec| {
-        Ok::<_, GwError>(decode::<OperationDoc>(rec)?.view())
+        Ok::<_, ApiError>(decode::<OperationDoc>(rec)?.view())
     })?;
     Ok(axum::Json(body).into_response())
 }
@@ -499,7 +482,7 @@ pub async fn get_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_operation(&gw, &caller.principal, &id).await?;
     Ok(axum::Json(doc.view()).into_response())
 }
@@ -508,7 +491,7 @@ pub async fn cancel_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
     PathId(id): PathId,
-) -> GwResult<Response> {
+) -> ApiResult<Response> {
     let (_, doc) = owned_operation(&gw, &caller.principal, &id).await?;
     let rt = gw.rt(&doc.session_id);
     let _guard = gw.lock(&rt, &doc.session_id).await?;
@@ -521,9 +504,9 @@ pub async fn cancel_operation(
     let mut doc: OperationDoc = decode(&rec)?;
     if doc.state == "running" {
         if doc.kind == "model_call" {
-            return Err(
-                ApiError::InvalidState("a running model call cannot be cancelled".into()).into(),
-            );
+            return Err(ApiError::InvalidState(
+                "a running model call cannot be cancelled".into(),
+            ));
         }
         if gw.state.config.defects.has(Defect::OperationCancelIgnored) {
             // The bug: the cancel is acknowledged and forgotten.
