@@ -1,0 +1,184 @@
+//! schemathesis (PyPI, an independent property-based API tester) against `docs/openapi.yaml`,
+//! run as a user would against a real `sandspec serve`: once on SQLite, once on PostgreSQL.
+//! It generates requests from the schema, valid and invalid, with a fixed seed and a bounded
+//! number of examples and time, and fails on any 5xx (`not_a_server_error`), any status the
+//! schema does not list (`status_code_conformance`) and any body the schema does not allow
+//! (`response_schema_conformance`). A failure prints schemathesis's own report, which holds a
+//! curl line reproducing each case.
+//!
+//! schemathesis is installed pinned into a venv under the target directory. When that fails
+//! (no python3, no network) the test is skipped with a message, except under `CI`, where it
+//! fails. PostgreSQL is skipped when not installed, unless `SANDSPEC_REQUIRE_POSTGRES=1`.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use reference_server::testing::PgCluster;
+
+const SCHEMATHESIS: &str = "schemathesis==4.32.5";
+/// Fixed, so that a failure found once is found again.
+const SEED: &str = "20261201";
+/// Per operation and phase; with the time budget below it keeps one store's run near a minute.
+const MAX_EXAMPLES: &str = "25";
+const MAX_TIME_S: &str = "50";
+
+/// The installed `schemathesis` executable, or `None` (skip) outside CI when it cannot be had.
+fn schemathesis() -> Option<PathBuf> {
+    let in_ci = std::env::var_os("CI").is_some();
+    let unavailable = |why: String| {
+        assert!(!in_ci, "schemathesis is required in CI: {why}");
+        eprintln!("SKIPPED: schemathesis is unavailable: {why}");
+        None
+    };
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("schemathesis-venv");
+    let bin = venv.join("bin").join("schemathesis");
+    let stamp = venv.join(SCHEMATHESIS);
+    if !stamp.exists() {
+        let _ = std::fs::remove_dir_all(&venv);
+        match Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
+        }
+        match Command::new(venv.join("bin").join("pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                SCHEMATHESIS,
+            ])
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => {
+                let _ = std::fs::remove_dir_all(&venv);
+                return unavailable(format!("pip install {SCHEMATHESIS} failed: {other:?}"));
+            }
+        }
+        std::fs::write(&stamp, b"").expect("mark the venv complete");
+    }
+    Some(bin)
+}
+
+/// One `sandspec serve` child, killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(database_url: Option<&str>, token: &str) -> Server {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandspec"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .args(["--principal", &format!("alice:{token}")]);
+    if let Some(url) = database_url {
+        cmd.arg("--database-url").arg(url);
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start sandspec serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        for line in lines.by_ref().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("listening on ") {
+                let _ = tx.send(url.to_owned());
+                break;
+            }
+        }
+        // Keep draining, so that the server never blocks on a full pipe.
+        for _ in lines {}
+    });
+    let base = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(base) => base,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("sandspec serve printed no `listening on` line: {e}");
+        }
+    };
+    Server {
+        child,
+        base,
+        _dir: dir,
+    }
+}
+
+fn fuzz(store: &str, database_url: Option<&str>) {
+    let Some(bin) = schemathesis() else { return };
+    // Generated at run time: no token lives on disk.
+    let token = format!("fuzz-{}", hex::encode(rand::random::<[u8; 16]>()));
+    let server = serve(database_url, &token);
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/openapi.yaml");
+    let reports = tempfile::tempdir().expect("report dir");
+    let out = Command::new(&bin)
+        .arg("run")
+        .arg(&schema)
+        .args(["--url", &server.base])
+        .args(["--header", &format!("Authorization: Bearer {token}")])
+        .args([
+            "--checks",
+            "not_a_server_error,status_code_conformance,response_schema_conformance",
+        ])
+        .args(["--seed", SEED, "--max-examples", MAX_EXAMPLES])
+        .args(["--max-time", MAX_TIME_S, "--workers", "1"])
+        .args([
+            "--request-timeout",
+            "30",
+            "--no-color",
+            "--generation-database",
+            "none",
+        ])
+        .arg("--report-dir")
+        .arg(reports.path())
+        .env("NO_COLOR", "1")
+        .current_dir(reports.path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run schemathesis");
+    let stdout = String::from_utf8_lossy(&out.stdout).replace(&token, "<token>");
+    let stderr = String::from_utf8_lossy(&out.stderr).replace(&token, "<token>");
+    assert!(
+        out.status.success(),
+        "schemathesis found failures against the {store} store (exit {:?}); each case below \
+         carries the curl line that reproduces it:\n{stdout}\n{stderr}",
+        out.status.code()
+    );
+    // A run that tested nothing is no pass: the summary names the operations it covered.
+    assert!(
+        stdout.contains("passed") && !stdout.contains("0 passed"),
+        "schemathesis ran no test case against the {store} store:\n{stdout}\n{stderr}"
+    );
+    eprintln!("{store}: {}", stdout.lines().last().unwrap_or(""));
+}
+
+#[test]
+fn schemathesis_finds_nothing_on_sqlite() {
+    fuzz("SQLite", None);
+}
+
+#[test]
+fn schemathesis_finds_nothing_on_postgres() {
+    let Some(cluster) = PgCluster::shared_or_skip() else {
+        return;
+    };
+    let url = cluster.fresh_database_blocking();
+    fuzz("PostgreSQL", Some(&url));
+}
