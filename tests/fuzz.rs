@@ -74,7 +74,19 @@ struct Server {
 }
 
 impl Drop for Server {
+    /// SIGTERM first, so that the server ends the processes of the sandboxes the run created;
+    /// SIGKILL only if it has not exited after a while.
     fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: signals our own child, which has not been reaped yet.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        for _ in 0..300 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
