@@ -2040,3 +2040,114 @@ async fn a_held_expiry_changes_nothing_until_released() {
         .await
         .problem(410, "output_expired");
 }
+
+/// A file path with a component longer than the file system keeps is 400 `invalid_path`
+/// on every files operation, not a 500, and writes nothing.
+#[tokio::test]
+async fn file_paths_the_file_system_cannot_hold_are_400() {
+    let app = spawn_app(|_| {}).await;
+    let id = app.create_sandbox(ALICE, json!({})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let digest = app.digest().await;
+    let long = format!("a{}", "\u{0301}".repeat(200));
+    app.send(
+        app.request(
+            Some(ALICE),
+            Method::PUT,
+            &format!("/v1/sandboxes/{id}/files?path={long}"),
+        )
+        .body("x"),
+    )
+    .await
+    .problem(400, "invalid_path");
+    app.get(ALICE, &format!("/v1/sandboxes/{id}/files?path={long}"))
+        .await
+        .problem(400, "invalid_path");
+    app.get(ALICE, &format!("/v1/sandboxes/{id}/files/list?path={long}"))
+        .await
+        .problem(400, "invalid_path");
+    app.delete(ALICE, &format!("/v1/sandboxes/{id}/files?path={long}"))
+        .await
+        .problem(400, "invalid_path");
+    assert_eq!(app.digest().await, digest);
+}
+
+/// A metadata filter is held to the rules of metadata (at most 32 keys, keys of
+/// `[A-Za-z0-9_.-]{1,64}`, values of at most 256 characters): beyond them it is 400. The
+/// OpenAPI deepObject spelling `metadata[k]=v` filters as `metadata.k=v` does.
+#[tokio::test]
+async fn metadata_filters_follow_the_metadata_rules() {
+    let app = spawn_app(|_| {}).await;
+    let id = app
+        .create_sandbox(ALICE, json!({"metadata": {"team": "red"}}))
+        .await["id"]
+        .clone();
+    app.create_sandbox(ALICE, json!({"metadata": {"team": "blue"}}))
+        .await;
+    for path in [
+        "/v1/sandboxes?metadata.team=red",
+        "/v1/sandboxes?metadata%5Bteam%5D=red",
+    ] {
+        let page = app.get(ALICE, path).await.ok(200);
+        let ids: Vec<&Value> = page["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| &s["id"])
+            .collect();
+        assert_eq!(ids, vec![&id], "{path}");
+    }
+    let many: String = (0..33).map(|i| format!("&metadata.k{i}=v")).collect();
+    let deep: String = (0..33).map(|i| format!("&metadata%5Bk{i}%5D=v")).collect();
+    let long_value = format!("metadata.team={}", "v".repeat(257));
+    for query in [
+        many,
+        deep,
+        "metadata.b%20d=x".to_owned(),
+        format!("metadata.{}=x", "k".repeat(65)),
+        long_value,
+    ] {
+        let problem = app
+            .get(ALICE, &format!("/v1/sandboxes?{query}"))
+            .await
+            .problem(400, "invalid_argument");
+        assert_eq!(problem["param"], "metadata", "{query}");
+    }
+    // Exactly 32 keys is a filter like any other (it matches nothing here).
+    let most: String = (0..32).map(|i| format!("&metadata.k{i}=v")).collect();
+    let page = app
+        .get(ALICE, &format!("/v1/sandboxes?{most}"))
+        .await
+        .ok(200);
+    assert_eq!(page["data"], json!([]));
+}
+
+/// An `Idempotency-Key` breaking its rules (printable ASCII, 1 to 255 characters) is 400
+/// `invalid_argument` naming the header on each create that takes one, and creates nothing;
+/// the schema lists the 400 on each of them.
+#[tokio::test]
+async fn invalid_idempotency_keys_are_400_on_every_create() {
+    let app = spawn_app(|_| {}).await;
+    let id = app.create_sandbox(ALICE, json!({})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let digest = app.digest().await;
+    let long = "k".repeat(256);
+    for path in [
+        "/v1/sandboxes".to_owned(),
+        format!("/v1/sandboxes/{id}/connections"),
+        format!("/v1/sandboxes/{id}/snapshots"),
+    ] {
+        for key in ["a b", long.as_str()] {
+            let problem = app
+                .post_idem(ALICE, &path, key, json!({}))
+                .await
+                .problem(400, "invalid_argument");
+            assert_eq!(problem["param"], "Idempotency-Key", "{path} {key:?}");
+        }
+    }
+    assert_eq!(app.digest().await, digest);
+}

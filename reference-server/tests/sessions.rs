@@ -2253,3 +2253,56 @@ async fn a_new_lease_makes_the_turn_of_the_old_one_uncertain() {
     assert_eq!(s["outcome"]["side_effects"], "none_started");
     assert_eq!(s["outcome"]["operations_in_doubt"], json!([]));
 }
+
+/// A path the file system cannot hold (one component of combining characters, far beyond
+/// 255 bytes) is the client's error: 400 `invalid_path`, never a 500, and nothing is written.
+#[tokio::test]
+async fn an_upload_path_too_long_for_the_file_system_is_400() {
+    let app = app().await;
+    let session = create_session(&app, ALICE, "read-input").await;
+    let sid = session["id"].as_str().unwrap();
+    wait_sandbox_running(&app, session["sandbox_id"].as_str().unwrap()).await;
+    let digest = app.digest().await;
+    for path in [
+        format!("a{}", "\u{0301}".repeat(200)),
+        format!("d/{}", "\u{0301}\u{0302}".repeat(70)),
+    ] {
+        let r = app
+            .send(
+                app.request(
+                    Some(ALICE),
+                    reqwest::Method::POST,
+                    &format!("/v1/sessions/{sid}/files?path={path}"),
+                )
+                .header("content-type", "application/octet-stream")
+                .body("x"),
+            )
+            .await;
+        r.problem(400, "invalid_path");
+    }
+    assert_eq!(app.digest().await, digest);
+}
+
+/// `Last-Event-ID` is digits only, as the schema's pattern says: a sign or any other character
+/// is 400 `invalid_argument` naming the header, on the session's stream as on the others.
+#[tokio::test]
+async fn a_last_event_id_outside_its_pattern_is_400() {
+    let app = app().await;
+    let session = create_session(&app, ALICE, "read-input").await;
+    let sid = session["id"].as_str().unwrap();
+    for bad in ["+0", "-1", "1e3", "0x1", "1 2"] {
+        let r = app
+            .send(
+                app.request(
+                    Some(ALICE),
+                    reqwest::Method::GET,
+                    &format!("/v1/sessions/{sid}/events"),
+                )
+                .header("Accept", "text/event-stream")
+                .header("Last-Event-ID", bad),
+            )
+            .await;
+        let problem = r.problem(400, "invalid_argument");
+        assert_eq!(problem["param"], "Last-Event-ID", "{bad:?}");
+    }
+}

@@ -385,15 +385,21 @@ pub async fn list(
             ));
         }
     };
+    // `metadata.<k>=<v>`, or the OpenAPI deepObject spelling `metadata[<k>]=<v>`; a filter is
+    // held to the rules of the metadata it matches, since one beyond them matches nothing.
     let mut metadata: Vec<(String, String)> = query
         .0
         .iter()
         .filter_map(|(k, v)| {
-            k.strip_prefix("metadata.")
-                .map(|k| (k.to_owned(), v.clone()))
+            let key = k.strip_prefix("metadata.").or_else(|| {
+                k.strip_prefix("metadata[")
+                    .and_then(|rest| rest.strip_suffix(']'))
+            })?;
+            Some((key.to_owned(), v.clone()))
         })
         .collect();
     metadata.sort();
+    validate_metadata(&metadata.iter().cloned().collect())?;
     let filters = {
         let mut f = format!("state={}", state_filter.as_deref().unwrap_or(""));
         for (k, v) in &metadata {

@@ -416,6 +416,10 @@ fn map_io(e: io::Error) -> FileError {
             Some(libc::EXDEV) => FileError::InvalidPath,
             // A path component that exists but is a file (`file.txt/x`).
             Some(libc::ENOTDIR) => FileError::WrongKind,
+            // A name longer than the file system keeps (255 bytes a component, which a few
+            // dozen combining characters reach) or a path beyond PATH_MAX: the client's path
+            // is at fault, not the server.
+            Some(libc::ENAMETOOLONG) => FileError::InvalidPath,
             _ => FileError::Io(e),
         },
     }

@@ -178,10 +178,11 @@ pub fn parse_cursor(headers: &HeaderMap, after: Option<&str>) -> Result<Option<i
     };
     match raw {
         None => Ok(None),
-        Some(s) => match s.parse::<i64>() {
-            Ok(n) if n >= 0 => Ok(Some(n)),
-            _ => Err(SseError::BadCursor),
-        },
+        // Digits only, as the schema's pattern says: `parse` alone would take `+5`.
+        Some(s) if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) => {
+            Err(SseError::BadCursor)
+        }
+        Some(s) => s.parse::<i64>().map(Some).map_err(|_| SseError::BadCursor),
     }
 }
 
@@ -535,9 +536,15 @@ mod tests {
         assert_eq!(parse_cursor(&headers, Some("3")).unwrap(), Some(3));
         headers.insert("last-event-id", HeaderValue::from_static("5"));
         assert_eq!(parse_cursor(&headers, Some("3")).unwrap(), Some(5));
-        headers.insert("last-event-id", HeaderValue::from_static("x"));
+        for bad in ["x", "+5", "-0", "5x", "0x10"] {
+            headers.insert("last-event-id", HeaderValue::from_static(bad));
+            assert!(
+                matches!(parse_cursor(&headers, None), Err(SseError::BadCursor)),
+                "{bad:?}"
+            );
+        }
         assert!(matches!(
-            parse_cursor(&headers, None),
+            parse_cursor(&HeaderMap::new(), Some("+3")),
             Err(SseError::BadCursor)
         ));
     }
