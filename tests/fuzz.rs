@@ -26,6 +26,9 @@
 //! (no python3, no network) the test is skipped with a message, except under `CI=true`, where
 //! it fails. PostgreSQL is skipped when not installed, unless `SANDSPEC_REQUIRE_POSTGRES=1`.
 
+#[path = "support/venv.rs"]
+mod venv;
+
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -45,43 +48,12 @@ const EXCLUDED_CHECKS: &str = "positive_data_acceptance,missing_required_header"
 
 /// The installed `schemathesis` executable, or `None` (skip) outside CI when it cannot be had.
 fn schemathesis() -> Option<PathBuf> {
-    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    let unavailable = |why: String| {
-        assert!(!in_ci, "schemathesis is required in CI: {why}");
-        eprintln!("SKIPPED: schemathesis is unavailable: {why}");
-        None
-    };
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("schemathesis-venv");
-    let bin = venv.join("bin").join("schemathesis");
-    let stamp = venv.join(SCHEMATHESIS);
-    if !stamp.exists() {
-        let _ = std::fs::remove_dir_all(&venv);
-        match Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => return unavailable(format!("python3 -m venv failed: {other:?}")),
-        }
-        match Command::new(venv.join("bin").join("pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                SCHEMATHESIS,
-            ])
-            .status()
-        {
-            Ok(s) if s.success() => {}
-            other => {
-                let _ = std::fs::remove_dir_all(&venv);
-                return unavailable(format!("pip install {SCHEMATHESIS} failed: {other:?}"));
-            }
-        }
-        std::fs::write(&stamp, b"").expect("mark the venv complete");
-    }
-    Some(bin)
+    let venv = venv::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "schemathesis-venv",
+        &[SCHEMATHESIS],
+    )?;
+    Some(venv.join("bin").join("schemathesis"))
 }
 
 /// One `sandspec serve` child, killed on drop.
