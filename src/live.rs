@@ -425,28 +425,10 @@ pub async fn sweep_older_than(
     let mut swept = Vec::new();
     for &(list, _) in LISTS {
         for record in list_all(target, token, list, None).await? {
-            let Some(run) = tag_of(&record) else {
-                continue;
-            };
-            let created = record
-                .get("created_at")
-                .and_then(Value::as_str)
-                .and_then(|t| {
-                    OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
-                });
-            if created.is_none_or(|c| c >= cutoff) {
-                continue;
+            if let Some((run, id)) = tagged_before(&record, "created_at", "id", cutoff) {
+                let path = format!("{list}/{}", urlencode(id));
+                swept.push(sweep_one(target, token, path, run, dry_run).await);
             }
-            let Some(id) = record.get("id").and_then(Value::as_str) else {
-                continue;
-            };
-            let path = format!("{list}/{}", urlencode(id));
-            let removed = !dry_run && remove(target, token, &path).await;
-            swept.push(Swept {
-                path,
-                run: run.to_owned(),
-                removed,
-            });
         }
     }
     Ok(swept)
@@ -463,30 +445,44 @@ async fn sweep_older_than_e2b(
 ) -> Result<Vec<Swept>, String> {
     let mut swept = Vec::new();
     for record in list_all_e2b(target, token, None).await? {
-        let Some(run) = tag_of(&record) else {
-            continue;
-        };
-        let started = record
-            .get("startedAt")
-            .and_then(Value::as_str)
-            .and_then(|t| {
-                OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
-            });
-        if started.is_none_or(|c| c >= cutoff) {
-            continue;
+        if let Some((run, id)) = tagged_before(&record, "startedAt", "sandboxID", cutoff) {
+            let path = format!("/sandboxes/{}", urlencode(id));
+            swept.push(sweep_one(target, token, path, run, dry_run).await);
         }
-        let Some(id) = record.get("sandboxID").and_then(Value::as_str) else {
-            continue;
-        };
-        let path = format!("/sandboxes/{}", urlencode(id));
-        let removed = !dry_run && remove(target, token, &path).await;
-        swept.push(Swept {
-            path,
-            run: run.to_owned(),
-            removed,
-        });
     }
     Ok(swept)
+}
+
+/// The run tag and ID of a listed record that `sandspec sweep` removes: its own
+/// `sandspec_run` tag is set and its `time_field` (an RFC 3339 time) is before `cutoff`. A
+/// record without a readable time is left alone.
+fn tagged_before<'a>(
+    record: &'a Value,
+    time_field: &str,
+    id_field: &str,
+    cutoff: OffsetDateTime,
+) -> Option<(&'a str, &'a str)> {
+    let run = tag_of(record)?;
+    let at = record
+        .get(time_field)
+        .and_then(Value::as_str)
+        .and_then(|t| {
+            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+        })?;
+    if at >= cutoff {
+        return None;
+    }
+    Some((run, record.get(id_field).and_then(Value::as_str)?))
+}
+
+/// Removes `path` (unless `dry_run`) and says what became of it.
+async fn sweep_one(target: &Target, token: &str, path: String, run: &str, dry_run: bool) -> Swept {
+    let removed = !dry_run && remove(target, token, &path).await;
+    Swept {
+        path,
+        run: run.to_owned(),
+        removed,
+    }
 }
 
 /// Parses `30m`, `2h`, `45s`, `1d`.
