@@ -336,26 +336,15 @@ pub async fn sweep_run(target: &crate::target::Target, run_id: &str) -> crate::l
                 continue;
             }
         };
-        let mut ignored = 0;
-        for record in &records {
-            let id = record.get("id").and_then(serde_json::Value::as_str);
-            match id {
-                Some(id) if crate::live::tag_of(record) == Some(run_id) => {
-                    let path = format!("{LIST}/{id}");
-                    let removed = crate::live::remove(target, token, &path).await;
-                    sweep.found.push(crate::engine::Leftover { path, removed });
-                }
-                _ => ignored += 1,
-            }
-        }
-        if ignored > 0 {
-            sweep.ignored.push(crate::live::Ignored {
-                principal: principal.to_owned(),
-                list: LIST.to_owned(),
-                filtered: false,
-                count: ignored,
-            });
-        }
+        let listed = crate::live::Listed {
+            principal,
+            token,
+            list: LIST,
+            filtered: false,
+            id_field: "id",
+            remove_prefix: LIST,
+        };
+        sweep.take(target, run_id, &listed, &records).await;
     }
     if !errors.is_empty() {
         sweep.error = Some(errors.join("; "));

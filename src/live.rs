@@ -104,6 +104,53 @@ pub struct RunSweep {
     pub error: Option<String>,
 }
 
+/// One list of the end-of-run sweep, as one principal.
+pub(crate) struct Listed<'a> {
+    /// `owner` or `other`.
+    pub principal: &'a str,
+    pub token: &'a str,
+    /// The list, as the receipt names it.
+    pub list: &'a str,
+    /// Whether the list was asked to filter by the run's tag.
+    pub filtered: bool,
+    /// Where a record holds its ID.
+    pub id_field: &'a str,
+    /// A record is removed at `<remove_prefix>/<id>`.
+    pub remove_prefix: &'a str,
+}
+
+impl RunSweep {
+    /// Removes each of `records` whose own record carries `run_id` (confirming it is gone)
+    /// as a leftover, and counts the others as ignored, never touching them.
+    pub(crate) async fn take(
+        &mut self,
+        target: &Target,
+        run_id: &str,
+        listed: &Listed<'_>,
+        records: &[Value],
+    ) {
+        let mut ignored = 0;
+        for record in records {
+            match record.get(listed.id_field).and_then(Value::as_str) {
+                Some(id) if tag_of(record) == Some(run_id) => {
+                    let path = format!("{}/{}", listed.remove_prefix, urlencode(id));
+                    let removed = remove(target, listed.token, &path).await;
+                    self.found.push(Leftover { path, removed });
+                }
+                _ => ignored += 1,
+            }
+        }
+        if ignored > 0 {
+            self.ignored.push(Ignored {
+                principal: listed.principal.to_owned(),
+                list: listed.list.to_owned(),
+                filtered: listed.filtered,
+                count: ignored,
+            });
+        }
+    }
+}
+
 /// Records of one list, as one principal, that did not carry the run's tag.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -275,28 +322,15 @@ pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
                     continue;
                 }
             };
-            let mut ignored = 0;
-            for record in &records {
-                let Some(id) = record.get("id").and_then(Value::as_str) else {
-                    ignored += 1;
-                    continue;
-                };
-                if tag_of(record) != Some(run_id) {
-                    ignored += 1;
-                    continue;
-                }
-                let path = format!("{list}/{}", urlencode(id));
-                let removed = remove(target, token, &path).await;
-                sweep.found.push(Leftover { path, removed });
-            }
-            if ignored > 0 {
-                sweep.ignored.push(Ignored {
-                    principal: principal.to_owned(),
-                    list: list.to_owned(),
-                    filtered,
-                    count: ignored,
-                });
-            }
+            let listed = Listed {
+                principal,
+                token,
+                list,
+                filtered,
+                id_field: "id",
+                remove_prefix: list,
+            };
+            sweep.take(target, run_id, &listed, &records).await;
         }
     }
     if !errors.is_empty() {
@@ -324,28 +358,15 @@ async fn sweep_run_e2b(target: &Target, run_id: &str) -> RunSweep {
                 continue;
             }
         };
-        let mut ignored = 0;
-        for record in &records {
-            let Some(id) = record.get("sandboxID").and_then(Value::as_str) else {
-                ignored += 1;
-                continue;
-            };
-            if tag_of(record) != Some(run_id) {
-                ignored += 1;
-                continue;
-            }
-            let path = format!("/sandboxes/{}", urlencode(id));
-            let removed = remove(target, token, &path).await;
-            sweep.found.push(Leftover { path, removed });
-        }
-        if ignored > 0 {
-            sweep.ignored.push(Ignored {
-                principal: principal.to_owned(),
-                list: LIST.to_owned(),
-                filtered: true,
-                count: ignored,
-            });
-        }
+        let listed = Listed {
+            principal,
+            token,
+            list: LIST,
+            filtered: true,
+            id_field: "sandboxID",
+            remove_prefix: "/sandboxes",
+        };
+        sweep.take(target, run_id, &listed, &records).await;
     }
     if !errors.is_empty() {
         sweep.error = Some(errors.join("; "));
