@@ -29,7 +29,8 @@ use crate::stream::{EventLog, process_stream};
 use super::ProviderError;
 
 /// `PATH` of every sandbox process unless the sandbox or the process sets its own.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(super) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// Bytes read from a pipe at once; one read becomes at most one event.
 const READ_CHUNK: usize = 64 * 1024;
 /// After the process itself exits, how long its output pipes may stay open (held by
@@ -40,9 +41,13 @@ const CAS_ATTEMPTS: usize = 50;
 
 /// What a process needs from its provider and sandbox.
 pub(super) struct Launch {
+    /// The working directory: a host path, or a path inside the sandbox when `enter` is set.
     pub(super) cwd: PathBuf,
-    /// `HOME` of the process: the sandbox root.
+    /// `HOME` of the process: the sandbox root, as the process sees it.
     pub(super) home: PathBuf,
+    /// `nsenter` and its arguments when the sandbox has namespaces of its own: the command
+    /// runs behind them, and `cwd` was already given to them.
+    pub(super) enter: Option<(PathBuf, Vec<std::ffi::OsString>)>,
     /// `cgroup.procs` files the child writes itself into before it execs.
     pub(super) cgroup_procs: Vec<CString>,
     pub(super) log: EventLog,
@@ -170,10 +175,19 @@ pub(super) fn spawn(
     env.extend(sandbox_env.iter().map(|(k, v)| (k.clone(), v.clone())));
     env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
 
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .current_dir(&launch.cwd)
-        .env_clear()
+    let mut cmd = match &launch.enter {
+        Some((nsenter, enter)) => {
+            let mut cmd = Command::new(nsenter);
+            cmd.args(enter).arg("--").arg(program).args(args);
+            cmd
+        }
+        None => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).current_dir(&launch.cwd);
+            cmd
+        }
+    };
+    cmd.env_clear()
         .envs(&env)
         .stdin(if spec.stdin {
             Stdio::piped()
