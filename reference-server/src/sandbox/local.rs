@@ -612,7 +612,7 @@ impl LocalProvider {
                 let inside = Path::new(isolation::WORKSPACE).join(rel);
                 let inside = inside.to_string_lossy().into_owned();
                 check_program(view, spec, sandbox_env, &inside)?;
-                let enter = (view.nsenter().to_owned(), view.enter_args(&inside));
+                let enter = view.entry(&inside)?;
                 (
                     PathBuf::from(isolation::WORKSPACE),
                     PathBuf::from(inside),

@@ -27,6 +27,7 @@ use crate::store::{Record, Scope, StoreError};
 use crate::stream::{EventLog, process_stream};
 
 use super::ProviderError;
+use super::isolation::Entry;
 
 /// `PATH` of every sandbox process unless the sandbox or the process sets its own.
 pub(super) const DEFAULT_PATH: &str =
@@ -45,9 +46,9 @@ pub(super) struct Launch {
     pub(super) cwd: PathBuf,
     /// `HOME` of the process: the sandbox root, as the process sees it.
     pub(super) home: PathBuf,
-    /// `nsenter` and its arguments when the sandbox has namespaces of its own: the command
-    /// runs behind them, and `cwd` was already given to them.
-    pub(super) enter: Option<(PathBuf, Vec<std::ffi::OsString>)>,
+    /// The sandbox's namespaces when it has its own: the child joins them itself before it
+    /// execs, and `cwd` was already given to them.
+    pub(super) enter: Option<Entry>,
     /// `cgroup.procs` files the child writes itself into before it execs.
     pub(super) cgroup_procs: Vec<CString>,
     pub(super) log: EventLog,
@@ -175,18 +176,11 @@ pub(super) fn spawn(
     env.extend(sandbox_env.iter().map(|(k, v)| (k.clone(), v.clone())));
     env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
 
-    let mut cmd = match &launch.enter {
-        Some((nsenter, enter)) => {
-            let mut cmd = Command::new(nsenter);
-            cmd.args(enter).arg("--").arg(program).args(args);
-            cmd
-        }
-        None => {
-            let mut cmd = Command::new(program);
-            cmd.args(args).current_dir(&launch.cwd);
-            cmd
-        }
-    };
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    if launch.enter.is_none() {
+        cmd.current_dir(&launch.cwd);
+    }
     cmd.env_clear()
         .envs(&env)
         .stdin(if spec.stdin {
@@ -208,6 +202,14 @@ pub(super) fn spawn(
                 }
                 Ok(())
             });
+        }
+    }
+    if let Some(entry) = launch.enter {
+        // SAFETY: `Entry::enter` is made for this place: system calls only, on what it
+        // opened before the fork. It runs after the cgroups are joined (closures run in
+        // order) and after std made the child its group's leader (`process_group(0)`).
+        unsafe {
+            cmd.pre_exec(move || entry.enter());
         }
     }
     let capture = Arc::new(Capture {
