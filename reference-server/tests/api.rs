@@ -888,6 +888,98 @@ async fn processes_output_stdin_signal_and_listing() {
     assert_eq!(all["data"].as_array().unwrap().len(), 4);
 }
 
+/// Host PIDs of the running processes whose command line holds `marker`.
+fn host_processes_with(marker: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let found = cmdline
+                .windows(marker.len())
+                .any(|w| w == marker.as_bytes());
+            (found && !stat.contains(") Z ")).then_some(pid)
+        })
+        .collect()
+}
+
+/// A signal goes to the sandboxed process itself: one that traps TERM lives on and is
+/// recorded running, and the KILL that then ends it is what the record says ended it.
+#[tokio::test]
+async fn a_process_that_traps_term_runs_on_until_kill() {
+    let app = spawn_app(|_| {}).await;
+    let id = app.create_sandbox(ALICE, json!({})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Found on the host by its command line (a PID it could report is one of its sandbox's
+    // PID namespace).
+    let marker = format!("trap-term-{}", std::process::id());
+    let script =
+        format!("trap 'echo got TERM' TERM; echo ready; while :; do sleep 0.1; done # {marker}");
+    let p = app.start(ALICE, &id, &["sh", "-c", &script]).await;
+    let pid = p["id"].as_str().unwrap().to_owned();
+    let stdout = |want: &'static str| {
+        let (app, pid) = (&app, &pid);
+        poll(move || async move {
+            let out = app
+                .get(ALICE, &format!("/v1/processes/{pid}/output"))
+                .await
+                .ok(200);
+            out["stdout"].as_str().unwrap().contains(want).then_some(())
+        })
+    };
+    stdout("ready").await;
+    // The shell, not a child it forked for `sleep` that has not exec'd yet.
+    let found = host_processes_with(&marker);
+    let shell: Vec<u32> = found
+        .iter()
+        .copied()
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            ppid.is_some_and(|ppid| !found.contains(&ppid))
+        })
+        .collect();
+    assert_eq!(shell.len(), 1, "the shell on the host: {found:?}");
+
+    let signal = |sig: &'static str| {
+        let (app, pid) = (&app, &pid);
+        async move {
+            app.post(
+                ALICE,
+                &format!("/v1/processes/{pid}/signal"),
+                json!({"signal": sig}),
+            )
+            .await
+            .ok(204);
+        }
+    };
+    signal("TERM").await;
+    stdout("got TERM").await;
+    let record = app
+        .get(ALICE, &format!("/v1/processes/{pid}"))
+        .await
+        .ok(200);
+    assert_eq!(record["state"], "running", "{record}");
+    assert!(
+        host_processes_with(&marker).contains(&shell[0]),
+        "the shell runs on"
+    );
+
+    signal("KILL").await;
+    let done = app.wait_process(ALICE, &pid).await;
+    assert_eq!(done["state"], "killed");
+    assert_eq!(done["signal"], "KILL", "the trapped TERM ended nothing");
+    assert_eq!(done["exit_code"], Value::Null);
+    // Bounded: the kernel reaps what the kill ended asynchronously.
+    poll(|| async { host_processes_with(&marker).is_empty().then_some(()) }).await;
+}
+
 fn sse_headers() -> Vec<(&'static str, &'static str)> {
     vec![("Accept", "text/event-stream")]
 }
