@@ -64,8 +64,8 @@ pub(super) struct Namespacer {
 }
 
 impl Namespacer {
-    /// Finds bubblewrap and proves with a probe sandbox that the kernel lets it and
-    /// [`Entry::enter`] work; the error says what is missing.
+    /// Finds bubblewrap and `unshare` and proves with a probe sandbox that the kernel lets
+    /// them and [`Entry::enter`] work; the error says what is missing.
     pub(super) fn detect(exposed: Vec<PathBuf>, weakened: Weakened) -> Result<Self, String> {
         // SAFETY: geteuid(2) has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
@@ -75,6 +75,8 @@ impl Namespacer {
             );
         }
         let bwrap = find_program("bwrap").ok_or("bubblewrap (`bwrap`) is not installed")?;
+        // The holder's user namespace is made by `unshare` (util-linux) inside bubblewrap's.
+        find_program("unshare").ok_or("`unshare` (util-linux) is not installed")?;
         let namespacer = Self {
             bwrap,
             exposed: exposed.into_iter().filter(|p| p.is_file()).collect(),
