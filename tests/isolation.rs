@@ -81,11 +81,24 @@ fn processes_with(marker: &str) -> Vec<i32> {
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            String::from_utf8_lossy(&cmdline)
-                .contains(marker)
-                .then_some(pid)
+            (String::from_utf8_lossy(&cmdline).contains(marker) && runs(pid)).then_some(pid)
         })
         .collect()
+}
+
+/// Field `n` (1-based, as proc(5) counts them) of `/proc/<pid>/stat`, from field 3 on.
+fn stat_field(pid: i32, n: usize) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split_whitespace().nth(n - 3)?.parse().ok()
+}
+
+/// Whether `pid` runs (a zombie waiting for its reaper runs nothing).
+fn runs(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, r)| !r.starts_with('Z'))
+    })
 }
 
 #[tokio::test]
@@ -142,11 +155,24 @@ async fn a_sigkilled_server_leaves_no_sandbox_process() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    // The group leaders too: the process the server waited for is outside the sandbox's PID
+    // namespace and has the server's command line, not the marker.
+    let marked = processes_with(&marker);
+    let leaders: Vec<i32> = marked
+        .iter()
+        .filter_map(|pid| stat_field(*pid, 5))
+        .collect();
+    assert!(
+        leaders.iter().any(|l| !marked.contains(l) && runs(*l)),
+        "the group leader the server waits for: {leaders:?}"
+    );
+
     server.start_kill().unwrap();
     server.wait().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let left = processes_with(&marker);
+        let mut left = processes_with(&marker);
+        left.extend(leaders.iter().filter(|l| runs(**l)));
         if left.is_empty() {
             break;
         }
