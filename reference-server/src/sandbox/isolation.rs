@@ -508,7 +508,7 @@ unsafe fn mirror(child: libc::pid_t) -> ! {
     unsafe {
         let mut ignore: libc::sigaction = std::mem::zeroed();
         ignore.sa_sigaction = libc::SIG_IGN;
-        for sig in 1..libc::SIGRTMAX() {
+        for sig in 1..=libc::SIGRTMAX() {
             // SIGCHLD stays as it is: ignoring it would reap the child before waitpid.
             // SIGKILL and SIGSTOP cannot be ignored; sigaction refuses them.
             if sig != libc::SIGCHLD {
