@@ -161,8 +161,21 @@ impl Capabilities {
     pub fn has(&self, capability: &str) -> bool {
         match capability {
             "two_providers" => self.providers.len() >= 2,
+            "isolation" => ["user", "mount", "pid", "network"]
+                .iter()
+                .all(|ns| self.isolation_lists("namespaces", ns)),
+            "memory_limit" => self.isolation_lists("enforced", "memory"),
             feature => self.features.iter().any(|f| f == feature),
         }
+    }
+
+    /// Whether the advertised `isolation.<key>` array holds `item`.
+    fn isolation_lists(&self, key: &str, item: &str) -> bool {
+        self.raw
+            .get("isolation")
+            .and_then(|i| i.get(key))
+            .and_then(|v| v.as_array())
+            .is_some_and(|a| a.iter().any(|v| v.as_str() == Some(item)))
     }
 
     pub fn default_provider(&self) -> &str {

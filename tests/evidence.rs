@@ -1253,9 +1253,9 @@ const DETECT_SECRETS_ARGS: &[&str] = &[
     // A trailing backslash: the closing quote, escaped, inside a JSON body kept as text.
     r"^/?([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26})(/([a-z][a-z0-9._-]{0,19}|[a-z]{2,5}_[0-9a-z]{26}))*/?\\?$",
     "--exclude-secrets",
-    // Run IDs (a lowercase ULID), alone or behind a short label, as scenarios build their
-    // idempotency keys and tags: `once-<run id>`.
-    "^([a-z]{1,12}-)?[0-9a-z]{26}$",
+    // Run IDs (a lowercase ULID), alone or behind short labels, as scenarios build their
+    // idempotency keys, tags and marker files: `once-<run id>`, `/tmp/iso-escape-<run id>`.
+    "^(/?[a-z][a-z0-9._-]{0,19}/)*([a-z]{1,12}-)*[0-9a-z]{26}$",
     "--exclude-secrets",
     // The Content-Security-Policy source of report.html: the SHA-256 of its own style sheet.
     "^sha256-[A-Za-z0-9+/]{43}=$",

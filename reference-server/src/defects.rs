@@ -197,6 +197,14 @@ pub enum Defect {
     /// `sandspec mcp` leaves running the sandbox of a create still in flight when the session
     /// ended.
     McpLateCreateLeaks,
+    /// The host's whole filesystem is mounted read-only at `/host` inside every sandbox.
+    SandboxSeesHostFiles,
+    /// Sandboxes share the host's `/tmp`, writable, instead of a private one each.
+    SandboxSharesHostTmp,
+    /// Sandboxes have no PID namespace: the host's processes are listed in their `/proc`.
+    SandboxSeesHostProcesses,
+    /// Sandbox processes are not moved into the memory cgroup whose limit is read back.
+    SandboxMemoryUnenforced,
 }
 
 impl Defect {
@@ -284,6 +292,10 @@ impl Defect {
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
         Defect::McpLateCreateLeaks,
+        Defect::SandboxSeesHostFiles,
+        Defect::SandboxSharesHostTmp,
+        Defect::SandboxSeesHostProcesses,
+        Defect::SandboxMemoryUnenforced,
     ];
 
     /// The stable kebab-case name used on the command line and in scenario files.
@@ -371,6 +383,10 @@ impl Defect {
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
             Defect::McpLateCreateLeaks => "mcp-late-create-leaks",
+            Defect::SandboxSeesHostFiles => "sandbox-sees-host-files",
+            Defect::SandboxSharesHostTmp => "sandbox-shares-host-tmp",
+            Defect::SandboxSeesHostProcesses => "sandbox-sees-host-processes",
+            Defect::SandboxMemoryUnenforced => "sandbox-memory-unenforced",
         }
     }
 
@@ -503,6 +519,10 @@ impl Defect {
             Defect::McpLateCreateLeaks => {
                 "MCP: a create still in flight when the session ends leaves its sandbox running"
             }
+            Defect::SandboxSeesHostFiles => "the host's files are visible inside sandboxes",
+            Defect::SandboxSharesHostTmp => "sandboxes share the host's /tmp",
+            Defect::SandboxSeesHostProcesses => "sandboxes see the host's processes",
+            Defect::SandboxMemoryUnenforced => "sandbox processes escape the memory limit",
         }
     }
 }

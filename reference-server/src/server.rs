@@ -42,6 +42,60 @@ pub struct Server {
     listener: TcpListener,
     state: AppState,
     tls: Option<TlsAcceptor>,
+    /// Held while the server runs: a second server on the same data directory would share
+    /// its SQLite file and sandbox tree, and the two would reap each other's sandboxes.
+    _lock: DataDirLock,
+}
+
+/// An exclusive `flock(2)` on `<data_dir>/server.lock`, which names its holder. The kernel
+/// releases it when the process ends, however it ends.
+struct DataDirLock {
+    _file: std::fs::File,
+}
+
+impl DataDirLock {
+    const FILE: &'static str = "server.lock";
+
+    fn acquire(data_dir: &Path, local_addr: SocketAddr) -> anyhow::Result<Self> {
+        use std::io::{Read as _, Seek as _, Write as _};
+        use std::os::fd::AsRawFd as _;
+        let path = data_dir.join(Self::FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("failed to open {}", path.display()))?;
+        // SAFETY: flock(2) on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(err).with_context(|| format!("failed to lock {}", path.display()));
+            }
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() {
+                "another server".to_owned()
+            } else {
+                format!("another server ({holder})")
+            };
+            anyhow::bail!(
+                "the data directory {} is in use by {holder}; stop it or give this server its own --data-dir",
+                data_dir.display()
+            );
+        }
+        file.set_len(0)?;
+        file.rewind()?;
+        write!(
+            file,
+            "pid {}, listening on {local_addr}",
+            std::process::id()
+        )?;
+        file.flush()?;
+        Ok(Self { _file: file })
+    }
 }
 
 impl Server {
@@ -60,6 +114,7 @@ impl Server {
                 config.data_dir.display()
             )
         })?;
+        let lock = DataDirLock::acquire(&config.data_dir, local_addr)?;
         let store = store::open(&config.database)
             .await
             .context("failed to open the store")?;
@@ -101,6 +156,7 @@ impl Server {
             listener,
             state,
             tls,
+            _lock: lock,
         })
     }
 
@@ -123,6 +179,7 @@ impl Server {
             listener,
             state,
             tls,
+            _lock,
         } = self;
         let router = api::router(state.clone());
         let stop = state.shutdown.clone();

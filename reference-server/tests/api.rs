@@ -19,19 +19,59 @@ async fn health_answers_without_auth_and_every_response_has_a_request_id() {
     assert_ne!(other.header("x-request-id"), Some(rid));
 }
 
+/// An `isolation` object of the capabilities: namespaces with the uid and a loopback
+/// network, or none with the reason; `enforced` limits only with a cgroup version. With
+/// `SANDSPEC_REQUIRE_ISOLATION=1` the namespaces must be there.
+fn check_isolation_report(iso: &Value) {
+    let namespaces = iso["namespaces"].as_array().expect("namespaces");
+    if namespaces.is_empty() {
+        assert!(
+            std::env::var("SANDSPEC_REQUIRE_ISOLATION").as_deref() != Ok("1"),
+            "isolation is required but unavailable: {iso}"
+        );
+        assert_eq!(iso["uid"], Value::Null, "{iso}");
+        assert_eq!(iso["network"], "host", "{iso}");
+        assert!(iso["unavailable"].is_string(), "{iso}");
+    } else {
+        assert_eq!(
+            iso["namespaces"],
+            json!(["user", "mount", "pid", "ipc", "uts", "network"])
+        );
+        assert_eq!(iso["uid"], 1000, "{iso}");
+        assert_eq!(iso["network"], "loopback", "{iso}");
+        assert_eq!(iso["unavailable"], Value::Null, "{iso}");
+    }
+    let enforced = iso["enforced"].as_array().expect("enforced");
+    assert_eq!(iso["cgroup"].is_null(), enforced.is_empty(), "{iso}");
+    let limits = enforced.contains(&json!("memory"));
+    assert_eq!(limits, iso["pids_max"].is_u64(), "{iso}");
+}
+
 #[tokio::test]
 async fn capabilities_describe_providers_features_limits_and_retention() {
     let app = spawn_app(|c| c.limits.max_streams_per_principal = 3).await;
     let caps = app.get(ALICE, "/v1/capabilities").await.ok(200);
     assert_eq!(caps["api_version"], "v1");
     assert_eq!(caps["server"]["name"], "sandspec-reference");
+    // What isolation a provider has depends on the machine; its shape does not.
+    let mut providers = caps["providers"].clone();
+    let isolation: Vec<Value> = providers
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .map(|p| p.as_object_mut().unwrap().remove("isolation").unwrap())
+        .collect();
     assert_eq!(
-        caps["providers"],
+        providers,
         json!([
             {"name": "local", "default": true, "capacity": {"cpu": 4.0, "memory_mb": 8192}},
             {"name": "local-b", "default": false, "capacity": {"cpu": 2.0, "memory_mb": 2048}},
         ])
     );
+    assert_eq!(caps["isolation"], isolation[0], "the default provider's");
+    for iso in &isolation {
+        check_isolation_report(iso);
+    }
     assert_eq!(
         caps["features"],
         json!([
@@ -846,6 +886,98 @@ async fn processes_output_stdin_signal_and_listing() {
         .await
         .ok(200);
     assert_eq!(all["data"].as_array().unwrap().len(), 4);
+}
+
+/// Host PIDs of the running processes whose command line holds `marker`.
+fn host_processes_with(marker: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let found = cmdline
+                .windows(marker.len())
+                .any(|w| w == marker.as_bytes());
+            (found && !stat.contains(") Z ")).then_some(pid)
+        })
+        .collect()
+}
+
+/// A signal goes to the sandboxed process itself: one that traps TERM lives on and is
+/// recorded running, and the KILL that then ends it is what the record says ended it.
+#[tokio::test]
+async fn a_process_that_traps_term_runs_on_until_kill() {
+    let app = spawn_app(|_| {}).await;
+    let id = app.create_sandbox(ALICE, json!({})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Found on the host by its command line (a PID it could report is one of its sandbox's
+    // PID namespace).
+    let marker = format!("trap-term-{}", std::process::id());
+    let script =
+        format!("trap 'echo got TERM' TERM; echo ready; while :; do sleep 0.1; done # {marker}");
+    let p = app.start(ALICE, &id, &["sh", "-c", &script]).await;
+    let pid = p["id"].as_str().unwrap().to_owned();
+    let stdout = |want: &'static str| {
+        let (app, pid) = (&app, &pid);
+        poll(move || async move {
+            let out = app
+                .get(ALICE, &format!("/v1/processes/{pid}/output"))
+                .await
+                .ok(200);
+            out["stdout"].as_str().unwrap().contains(want).then_some(())
+        })
+    };
+    stdout("ready").await;
+    // The shell, not a child it forked for `sleep` that has not exec'd yet.
+    let found = host_processes_with(&marker);
+    let shell: Vec<u32> = found
+        .iter()
+        .copied()
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            ppid.is_some_and(|ppid| !found.contains(&ppid))
+        })
+        .collect();
+    assert_eq!(shell.len(), 1, "the shell on the host: {found:?}");
+
+    let signal = |sig: &'static str| {
+        let (app, pid) = (&app, &pid);
+        async move {
+            app.post(
+                ALICE,
+                &format!("/v1/processes/{pid}/signal"),
+                json!({"signal": sig}),
+            )
+            .await
+            .ok(204);
+        }
+    };
+    signal("TERM").await;
+    stdout("got TERM").await;
+    let record = app
+        .get(ALICE, &format!("/v1/processes/{pid}"))
+        .await
+        .ok(200);
+    assert_eq!(record["state"], "running", "{record}");
+    assert!(
+        host_processes_with(&marker).contains(&shell[0]),
+        "the shell runs on"
+    );
+
+    signal("KILL").await;
+    let done = app.wait_process(ALICE, &pid).await;
+    assert_eq!(done["state"], "killed");
+    assert_eq!(done["signal"], "KILL", "the trapped TERM ended nothing");
+    assert_eq!(done["exit_code"], Value::Null);
+    // Bounded: the kernel reaps what the kill ended asynchronously.
+    poll(|| async { host_processes_with(&marker).is_empty().then_some(()) }).await;
 }
 
 fn sse_headers() -> Vec<(&'static str, &'static str)> {
@@ -1969,17 +2101,19 @@ async fn shutdown_ends_open_streams_and_every_sandbox_process() {
         .as_str()
         .unwrap()
         .to_owned();
-    let p = app
-        .start(ALICE, &id, &["sh", "-c", "echo $$ > pid; exec sleep 60"])
-        .await;
-    let file = format!("/v1/sandboxes/{id}/files?path=pid");
+    // Found on the host by its command line: a PID the process could report itself is one
+    // of its own PID namespace, where the sandbox has one.
+    let marker = format!("{}", 60.0 + f64::from(std::process::id() % 1000) / 1e4);
+    let p = app.start(ALICE, &id, &["sleep", &marker]).await;
+    let argv = format!("sleep\0{marker}\0");
     let pid: u32 = poll(|| async {
-        let r = app.get(ALICE, &file).await;
-        let text = String::from_utf8_lossy(&r.body).trim().to_owned();
-        (r.status == 200 && !text.is_empty()).then(|| text.parse().unwrap())
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (cmdline == argv.as_bytes()).then_some(pid)
+        })
     })
     .await;
-    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
     let path = format!("/v1/processes/{}/events", p["id"].as_str().unwrap());
     let mut sse = RawSse::open(&app, &path, ALICE, &[("Accept", "text/event-stream")]).await;
     assert_eq!(sse.status, 200);

@@ -60,7 +60,9 @@ const PROFILE_CLAUSE_DOCS: [ProfileClauses; 3] = [
 /// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
 /// endpoint, the test-controls admin token); `server_control` and `database_control` are
 /// what the runner itself started and may therefore kill, restart, stop and start (the
-/// reference server's processes, the private PostgreSQL cluster of its database).
+/// reference server's processes, the private PostgreSQL cluster of its database);
+/// `isolation` means `capabilities.isolation.namespaces` holds user, mount, pid and network;
+/// `memory_limit` means `capabilities.isolation.enforced` holds `memory`.
 pub const CAPABILITIES: &[&str] = &[
     "pause",
     "snapshots",
@@ -75,6 +77,8 @@ pub const CAPABILITIES: &[&str] = &[
     "server_control",
     "database_control",
     "restart",
+    "isolation",
+    "memory_limit",
 ];
 
 /// Capabilities a target advertises in `capabilities.features`: the optional parts of the

@@ -517,7 +517,7 @@ fn what_goes_beyond_the_contract_must_be_declared() {
     );
     check_err(
         &header("requires: [teleport]\nsteps:\n  - request: {method: GET, path: /v1/x}\n"),
-        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control, restart)",
+        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control, restart, isolation, memory_limit)",
     );
     // Declared, they parse; an empty model names no script (a validation check).
     let text = header(

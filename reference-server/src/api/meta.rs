@@ -35,6 +35,7 @@ pub async fn capabilities(
                 "name": p.name(),
                 "default": p.name() == state.providers.default_name(),
                 "capacity": {"cpu": capacity.cpu, "memory_mb": capacity.memory_mb},
+                "isolation": p.isolation_report(),
             })
         })
         .collect();
@@ -54,6 +55,8 @@ pub async fn capabilities(
         "api_version": "v1",
         "server": {"name": "sandspec-reference", "version": env!("CARGO_PKG_VERSION")},
         "providers": providers,
+        // The default provider's, which is what a sandbox created without `provider` gets.
+        "isolation": state.providers.get(state.providers.default_name()).map(|p| p.isolation_report()),
         "features": features,
         "limits": {
             "max_body_bytes": l.max_body_bytes,

@@ -221,7 +221,10 @@ async fn forward(
             !p.is_empty() && percent_decode(p.split('=').next().unwrap_or("")) != TOKEN_PARAM
         })
         .collect();
-    let mut target = format!("http://127.0.0.1:{}/{}", preview.port, rest);
+    // Origin form (`/path?query`): the request goes over a connection of its own, which
+    // writes the target as given, and a server expects origin form from a client (RFC 9112
+    // section 3.2.1); the `Host` header below names the authority.
+    let mut target = format!("/{rest}");
     if !upstream_query.is_empty() {
         target.push('?');
         target.push_str(&upstream_query.join("&"));
@@ -237,11 +240,37 @@ async fn forward(
         parts.headers.insert(header::HOST, host);
     }
     let upstream = axum::http::Request::from_parts(parts, body);
-    let response = state.proxy.request(upstream).await.map_err(|e| {
-        tracing::debug!(error = %e, port = preview.port, "preview upstream unavailable");
-        ApiError::UpstreamUnavailable
-    })?;
+    let response = send_upstream(&state, &preview, upstream)
+        .await
+        .map_err(|e| {
+            tracing::debug!(error = %e, port = preview.port, "preview upstream unavailable");
+            ApiError::UpstreamUnavailable
+        })?;
     let (mut parts, body) = response.into_parts();
     strip_headers(&mut parts.headers);
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
+}
+
+/// Sends one request to the preview's port over a connection of its own, opened as the
+/// sandbox's processes see `127.0.0.1` (inside its network namespace when it has one).
+async fn send_upstream(
+    state: &AppState,
+    preview: &Preview,
+    request: axum::http::Request<Body>,
+) -> Result<axum::http::Response<hyper::body::Incoming>, Box<dyn std::error::Error + Send + Sync>> {
+    let (provider, local) = preview
+        .sandbox_id
+        .split_once(':')
+        .ok_or("stored sandbox id without provider")?;
+    let provider = state.providers.get(provider).ok_or("unknown provider")?;
+    let stream = provider.connect(local, preview.port).await?;
+    stream.set_nodelay(true)?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "preview upstream connection ended");
+        }
+    });
+    Ok(sender.send_request(request).await?)
 }

@@ -4,10 +4,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use axum::body::Body;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -46,8 +42,6 @@ pub struct Inner {
     pub local_addr: SocketAddr,
     /// Fired at shutdown: open streams end so that connections can close.
     pub shutdown: CancellationToken,
-    /// Forwards preview requests to ports inside sandboxes.
-    pub proxy: Client<HttpConnector, Body>,
     /// Per process, the last output seq handed to an event stream. Read only by the
     /// `output-lost-on-disconnect` defect.
     pub delivered: Arc<Mutex<HashMap<String, i64>>>,
@@ -97,9 +91,6 @@ impl AppState {
         shutdown: CancellationToken,
         page_key: [u8; 32],
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let proxy = Client::builder(TokioExecutor::new()).build(connector);
         let streams = Arc::new(StreamSlots::new(
             config
                 .defects
@@ -115,7 +106,6 @@ impl AppState {
             create_lock: tokio::sync::Mutex::new(()),
             local_addr,
             shutdown,
-            proxy,
             delivered: Arc::default(),
             expiry_hold: ExpiryHold::default(),
         }))

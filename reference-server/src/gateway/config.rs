@@ -99,3 +99,14 @@ impl std::fmt::Debug for GatewayConfig {
             .finish()
     }
 }
+
+/// The binary a session's worker runs: `worker_bin`; else `sandspec-worker` beside the
+/// running executable; else the running executable itself (its `worker` subcommand).
+pub fn worker_binary(cfg: &GatewayConfig) -> Option<std::path::PathBuf> {
+    if let Some(p) = &cfg.worker_bin {
+        return Some(p.clone());
+    }
+    let exe = std::env::current_exe().ok()?;
+    let sibling = exe.with_file_name("sandspec-worker");
+    Some(if sibling.is_file() { sibling } else { exe })
+}

@@ -620,15 +620,13 @@ impl Gateway {
     /// The worker's command line: the configured binary; else `sandspec-worker` beside the
     /// running executable; else the running executable's `worker` subcommand.
     fn worker_command(&self) -> ApiResult<Vec<String>> {
-        if let Some(p) = &self.cfg.worker_bin {
-            return Ok(vec![p.to_string_lossy().into_owned()]);
+        let bin = super::config::worker_binary(&self.cfg)
+            .ok_or_else(|| ApiError::internal("the running executable is unknown"))?;
+        let mut cmd = vec![bin.to_string_lossy().into_owned()];
+        if self.cfg.worker_bin.is_none() && bin.file_name().is_none_or(|n| n != "sandspec-worker") {
+            cmd.push("worker".into());
         }
-        let exe = std::env::current_exe().map_err(ApiError::internal)?;
-        let sibling = exe.with_file_name("sandspec-worker");
-        if sibling.is_file() {
-            return Ok(vec![sibling.to_string_lossy().into_owned()]);
-        }
-        Ok(vec![exe.to_string_lossy().into_owned(), "worker".into()])
+        Ok(cmd)
     }
 
     fn bridge_url(&self) -> String {
@@ -637,6 +635,33 @@ impl Gateway {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
         format!("{}://{addr}", self.state.scheme())
+    }
+
+    /// The server's own loopback addresses a worker needs (the bridge, the model endpoint),
+    /// made reachable inside the sandbox's network namespace.
+    async fn forward_for_worker(
+        &self,
+        provider: &crate::sandbox::LocalProvider,
+        local: &str,
+        model_url: &str,
+    ) -> ApiResult<()> {
+        let mut addrs = vec![self.state.local_addr];
+        if addrs[0].ip().is_unspecified() {
+            addrs[0].set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        if let Ok(url) = reqwest::Url::parse(model_url)
+            && let Some(host) = url.host_str()
+            && let Some(port) = url.port_or_known_default()
+            && let Ok(ip) = host.trim_matches(['[', ']']).parse::<std::net::IpAddr>()
+        {
+            addrs.push(std::net::SocketAddr::new(ip, port));
+        }
+        for addr in addrs {
+            provider.forward_loopback(local, addr).await.map_err(|e| {
+                ApiError::internal(format!("forwarding {addr} into the sandbox: {e}"))
+            })?;
+        }
+        Ok(())
     }
 
     /// Starts a worker process inside the session's (running) sandbox.
@@ -648,6 +673,8 @@ impl Gateway {
     ) -> ApiResult<()> {
         let (provider, local) = self.provider(&sandbox.id)?;
         let model_url = self.model_base_url().await?;
+        self.forward_for_worker(&provider, &local, &model_url)
+            .await?;
         let process_local = provider.allocate_local_id(IdKind::Process);
         let process_id = QualifiedId::new(provider.name(), &process_local).to_string();
         let cmd = self.worker_command()?;

@@ -30,5 +30,5 @@ pub mod signing;
 mod submissions;
 pub mod worker;
 
-pub use config::GatewayConfig;
+pub use config::{GatewayConfig, worker_binary};
 pub use routes::routes;

@@ -16,7 +16,7 @@ use crate::domain::Resources;
 /// CFS period written for every sandbox; the quota is `cpu * period`.
 pub(super) const CPU_PERIOD_US: u64 = 100_000;
 /// Upper bound on tasks per sandbox, so a fork bomb stays inside its sandbox.
-const PIDS_MAX: u32 = 4096;
+pub(super) const PIDS_MAX: u32 = 4096;
 const MIB: u64 = 1024 * 1024;
 const MOUNT_ROOT: &str = "/sys/fs/cgroup";
 
@@ -294,9 +294,11 @@ impl SandboxCgroup {
         }))
     }
 
-    /// The `cgroup.procs` files a new process writes itself into before it execs.
-    pub(super) fn procs_files(&self) -> Vec<CString> {
+    /// The `cgroup.procs` files a new process writes itself into before it execs (all but
+    /// the memory controller's with defect `sandbox-memory-unenforced`).
+    pub(super) fn procs_files(&self, without_memory: bool) -> Vec<CString> {
         self.dirs()
+            .filter(|d| !(without_memory && Some(*d) == self.memory.as_ref()))
             .filter_map(|d| CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok())
             .collect()
     }

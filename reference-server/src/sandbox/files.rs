@@ -63,6 +63,9 @@ pub struct SandboxFiles {
     /// `read-follows-symlinks` defect: one operation that follows symlinks out).
     root: PathBuf,
     read_joined: bool,
+    /// The sandbox's own host uid (its root's owner) when it has one: what the files API
+    /// creates is given to it, so that the sandbox's processes can change it.
+    owner: Option<u32>,
 }
 
 /// How paths are resolved below the root.
@@ -79,6 +82,11 @@ impl SandboxFiles {
     /// Opens the files of the sandbox whose root is `root`. With `follow_symlinks_out`
     /// (defect `symlink-escape`) symlinks are followed wherever they point.
     pub(super) fn open(root: &Path, follow_symlinks_out: bool) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let owner = std::fs::metadata(root)
+            .ok()
+            .map(|m| m.uid())
+            .filter(|uid| super::isolation::is_sandbox_uid(*uid));
         let access = if follow_symlinks_out {
             if !root.is_dir() {
                 return Err(io::Error::from(io::ErrorKind::NotFound));
@@ -91,6 +99,7 @@ impl SandboxFiles {
             access,
             root: root.to_owned(),
             read_joined: false,
+            owner,
         })
     }
 
@@ -119,8 +128,19 @@ impl SandboxFiles {
             Access::Confined(dir) => {
                 if let Some(parent) = parent {
                     dir.create_dir_all(parent).map_err(map_io)?;
+                    if let Some(uid) = self.owner {
+                        let mut prefix = PathBuf::new();
+                        for part in parent.components() {
+                            prefix.push(part);
+                            let sub = dir.open_dir(&prefix).map_err(map_io)?;
+                            give(&sub, uid)?;
+                        }
+                    }
                 }
                 let mut file = dir.create(&rel).map_err(map_io)?;
+                if let Some(uid) = self.owner {
+                    give(&file, uid)?;
+                }
                 file.write_all(bytes)?;
             }
             Access::Joined(root) => {
@@ -128,6 +148,9 @@ impl SandboxFiles {
                     std::fs::create_dir_all(root.join(parent)).map_err(map_io)?;
                 }
                 std::fs::write(root.join(&rel), bytes).map_err(map_io)?;
+                if let Some(uid) = self.owner {
+                    std::os::unix::fs::lchown(root.join(&rel), Some(uid), Some(uid))?;
+                }
             }
         }
         Ok(WriteOutcome {
@@ -377,6 +400,26 @@ fn entry_of(name: String, meta: &Meta) -> FileEntry {
         name,
         kind,
         size: if meta.is_dir { 0 } else { meta.len },
+    }
+}
+
+/// Gives an entry the files API created (or replaced) to the sandbox's uid.
+fn give(entry: &impl std::os::fd::AsRawFd, uid: u32) -> io::Result<()> {
+    // fchownat(AT_EMPTY_PATH) also takes the O_PATH descriptors cap-std may hold.
+    // SAFETY: a NUL-terminated empty path and a descriptor borrowed for the call.
+    let done = unsafe {
+        libc::fchownat(
+            entry.as_raw_fd(),
+            c"".as_ptr(),
+            uid,
+            uid,
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if done == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! On disk, below `<data_dir>/providers/<provider>/`:
 //! - `sandboxes/<local>/root/`: the sandbox's files (the processes' working directory);
-//! - `sandboxes/<local>/grant.json`: the resources granted, outside the root so that
-//!   processes cannot change it; read back when there are no cgroups;
+//! - `sandboxes/<local>/grant.json`: the resources granted, outside the root (and outside
+//!   the sandbox's mount namespace where it has one) so that processes cannot change it;
+//!   read back when there are no cgroups;
 //! - `snapshots/<local>/root/` and `snapshots/<local>/source`: a snapshot's files and the
 //!   sandbox it was taken from.
 
@@ -22,6 +23,7 @@ use crate::stream::EventLog;
 
 use super::cgroup::{Cgroups, SandboxCgroup};
 use super::files::{SandboxFiles, normalize};
+use super::isolation::{self, Holder, Namespacer, SandboxView, Weakened};
 use super::process::{self, Launch, ProcessHandle, kill_group};
 use super::{ProviderError, Signal};
 
@@ -40,6 +42,26 @@ pub struct Isolation {
     pub freezer: bool,
 }
 
+/// What `GET /v1/capabilities` says about a provider's isolation.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct IsolationReport {
+    /// The namespaces every sandbox process runs in (empty: none of its own).
+    pub namespaces: Vec<&'static str>,
+    /// The uid of sandbox processes inside their user namespace (each sandbox has a host uid
+    /// of its own), or `None` when they run as the server's user.
+    pub uid: Option<u32>,
+    /// `loopback`: a network namespace with only a loopback interface; `host`: none.
+    pub network: &'static str,
+    /// `v1` when the kernel enforces the limits through cgroup v1 controllers, else `None`.
+    pub cgroup: Option<&'static str>,
+    /// What the kernel enforces per sandbox: `memory`, `cpu`, `pids`, `freezer`.
+    pub enforced: Vec<&'static str>,
+    /// The most tasks a sandbox may have when `pids` is enforced.
+    pub pids_max: Option<u32>,
+    /// Why there are no namespaces, when there are none.
+    pub unavailable: Option<String>,
+}
+
 /// One provider.
 pub struct LocalProvider {
     name: String,
@@ -52,6 +74,8 @@ pub struct LocalProvider {
     max_output_bytes: u64,
     output_retention: Duration,
     cgroups: Cgroups,
+    /// Namespaces for every sandbox, or why this machine cannot give them.
+    namespacer: Result<Namespacer, String>,
     /// Test control: how long every create waits before it completes.
     create_delay: Mutex<Duration>,
     /// Test control: local IDs to hand out next, per kind.
@@ -68,7 +92,42 @@ pub struct LocalProvider {
 struct Runtime {
     root: PathBuf,
     cgroup: Option<SandboxCgroup>,
+    /// The sandbox's namespaces (killed with it), when the machine has them.
+    holder: Mutex<Option<Holder>>,
+    view: Option<SandboxView>,
+    /// Loopback ports inside the sandbox forwarded to the server's own (bridge, model).
+    forwards: Mutex<Vec<(u16, tokio::task::AbortHandle)>>,
     inner: Mutex<RuntimeInner>,
+}
+
+impl Runtime {
+    fn new(root: PathBuf, cgroup: Option<SandboxCgroup>, holder: Option<Holder>) -> Self {
+        let view = holder.as_ref().map(Holder::view);
+        Self {
+            root,
+            cgroup,
+            holder: Mutex::new(holder),
+            view,
+            forwards: Mutex::new(Vec::new()),
+            inner: Mutex::default(),
+        }
+    }
+
+    /// Kills everything in the sandbox's namespaces and stops its forwarders.
+    fn kill_namespaces(&self) {
+        if let Some(holder) = lock(&self.holder).as_mut() {
+            holder.kill();
+        }
+        for (_, task) in lock(&self.forwards).drain(..) {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.kill_namespaces();
+    }
 }
 
 #[derive(Default)]
@@ -124,6 +183,23 @@ impl LocalProvider {
         Self::with_cgroups(config, server, log, cgroups)
     }
 
+    /// Namespaces for the sandboxes of a server with `server`'s configuration, or why not.
+    fn detect_namespaces(server: &Config) -> Result<Namespacer, String> {
+        let mut exposed = Vec::new();
+        if let Some(tls) = &server.tls {
+            exposed.push(tls.cert.clone());
+        }
+        if let Some(bin) = crate::gateway::worker_binary(&server.gateway) {
+            exposed.push(bin);
+        }
+        let weakened = Weakened {
+            host_visible: server.defects.has(Defect::SandboxSeesHostFiles),
+            host_tmp_shared: server.defects.has(Defect::SandboxSharesHostTmp),
+            host_pids_visible: server.defects.has(Defect::SandboxSeesHostProcesses),
+        };
+        Namespacer::detect(exposed, weakened)
+    }
+
     fn with_cgroups(
         config: &ProviderConfig,
         server: &Config,
@@ -133,10 +209,21 @@ impl LocalProvider {
         let base = server.data_dir.join("providers").join(&config.name);
         std::fs::create_dir_all(base.join("sandboxes"))?;
         std::fs::create_dir_all(base.join("snapshots"))?;
+        let namespacer = Self::detect_namespaces(server);
+        if let Err(reason) = &namespacer {
+            if std::env::var(isolation::REQUIRE_ENV).is_ok_and(|v| v == "1") {
+                return Err(io::Error::other(format!(
+                    "sandbox isolation is required ({}=1) but unavailable: {reason}",
+                    isolation::REQUIRE_ENV
+                )));
+            }
+            tracing::warn!(provider = %config.name, %reason, "sandboxes run without namespaces");
+        }
         tracing::info!(
             provider = %config.name,
             cgroups = cgroups.enforces_limits(),
             freezer = cgroups.has_freezer(),
+            namespaces = namespacer.is_ok(),
             "provider ready"
         );
         Ok(Self {
@@ -148,6 +235,7 @@ impl LocalProvider {
             max_output_bytes: server.limits.max_process_output_bytes,
             output_retention: server.retention.process_output(),
             cgroups,
+            namespacer,
             create_delay: Mutex::new(Duration::ZERO),
             next_ids: Mutex::new(Vec::new()),
             sandboxes: Mutex::new(HashMap::new()),
@@ -167,6 +255,36 @@ impl LocalProvider {
         Isolation {
             cgroups: self.cgroups.enforces_limits(),
             freezer: self.cgroups.has_freezer(),
+        }
+    }
+
+    /// The isolation of this provider's sandboxes, as the capabilities advertise it.
+    pub fn isolation_report(&self) -> IsolationReport {
+        let limits = self.cgroups.enforces_limits();
+        let mut enforced = Vec::new();
+        if limits {
+            enforced.extend(["memory", "cpu", "pids"]);
+        }
+        if self.cgroups.has_freezer() {
+            enforced.push("freezer");
+        }
+        let (namespaces, uid, network, unavailable) = match &self.namespacer {
+            Ok(_) => (
+                isolation::NAMESPACES.to_vec(),
+                Some(isolation::INSIDE_UID),
+                "loopback",
+                None,
+            ),
+            Err(reason) => (Vec::new(), None, "host", Some(reason.clone())),
+        };
+        IsolationReport {
+            namespaces,
+            uid,
+            network,
+            cgroup: (limits || self.cgroups.has_freezer()).then_some("v1"),
+            enforced,
+            pids_max: limits.then_some(super::cgroup::PIDS_MAX),
+            unavailable,
         }
     }
 
@@ -273,12 +391,9 @@ impl LocalProvider {
         std::fs::create_dir_all(dir.join("procs"))?;
 
         let grant = self.grant_for(requested);
+        let holder = self.start_namespaces(&root).await?;
         let cgroup = self.cgroups.create(local, &grant)?;
-        let runtime = Arc::new(Runtime {
-            root,
-            cgroup,
-            inner: Mutex::default(),
-        });
+        let runtime = Arc::new(Runtime::new(root, cgroup, holder));
         let granted = match read_back(&runtime, dir, Some(&grant)) {
             Ok(granted) => granted,
             Err(e) => {
@@ -301,6 +416,31 @@ impl LocalProvider {
         Ok(granted)
     }
 
+    /// Gives the sandbox whose files are `root` its host uid (that of its files when they
+    /// have one, else a fresh one for the whole tree) and its namespaces; `None` on a machine
+    /// without them.
+    async fn start_namespaces(&self, root: &Path) -> io::Result<Option<Holder>> {
+        let Ok(namespacer) = &self.namespacer else {
+            return Ok(None);
+        };
+        let namespacer = namespacer.clone();
+        let root = root.to_owned();
+        tokio::task::spawn_blocking(move || {
+            use std::os::unix::fs::MetadataExt as _;
+            let owner = std::fs::metadata(&root)?.uid();
+            let uid = if isolation::is_sandbox_uid(owner) {
+                owner
+            } else {
+                let uid = isolation::allocate_uid();
+                chown_tree(&root, uid)?;
+                uid
+            };
+            namespacer.start(&root, uid).map(Some)
+        })
+        .await
+        .map_err(io::Error::other)?
+    }
+
     /// The request rounded up to whole steps, never above the capacity (which covers it).
     fn grant_for(&self, requested: &Resources) -> Resources {
         let steps = (requested.cpu / CPU_STEP - 1e-9).ceil().max(1.0);
@@ -315,7 +455,7 @@ impl LocalProvider {
 
     /// The resources the platform grants the sandbox right now.
     pub async fn read_resources(&self, local: &str) -> Result<Resources, ProviderError> {
-        let runtime = self.runtime(local)?;
+        let runtime = self.runtime(local).await?;
         let dir = self.sandbox_dir(local)?;
         Ok(read_back(&runtime, &dir, None)?)
     }
@@ -357,6 +497,8 @@ impl LocalProvider {
             }
             inner.processes.iter().map(|t| t.handle.clone()).collect()
         };
+        // Also whatever left its process group and cgroup: nothing outlives the PID namespace.
+        runtime.kill_namespaces();
         if let Some(cg) = &runtime.cgroup {
             // Also whatever left its process group (setsid) but not its cgroup.
             cg.kill_all().await;
@@ -370,7 +512,7 @@ impl LocalProvider {
 
     /// Stops every process of the sandbox, keeping memory and files.
     pub async fn pause(&self, local: &str) -> Result<(), ProviderError> {
-        let runtime = self.runtime(local)?;
+        let runtime = self.runtime(local).await?;
         if self.defects.has(Defect::PauseNoop) {
             return Ok(());
         }
@@ -385,7 +527,7 @@ impl LocalProvider {
 
     /// Continues every process stopped by `pause`.
     pub async fn resume(&self, local: &str) -> Result<(), ProviderError> {
-        let runtime = self.runtime(local)?;
+        let runtime = self.runtime(local).await?;
         if let Some(cg) = &runtime.cgroup
             && cg.thaw().await?
         {
@@ -459,15 +601,34 @@ impl LocalProvider {
         spec: &ProcessSpec,
         sandbox_env: &BTreeMap<String, String>,
     ) -> Result<(), ProviderError> {
-        let runtime = self.runtime(sandbox_local)?;
+        let runtime = self.runtime(sandbox_local).await?;
         let cwd = resolve_cwd(&runtime.root, spec.cwd.as_deref())?;
+        let (home, cwd, enter) = match &runtime.view {
+            Some(view) => {
+                let root = std::fs::canonicalize(&runtime.root)?;
+                let rel = cwd
+                    .strip_prefix(&root)
+                    .map_err(|_| ProviderError::InvalidPath)?;
+                let inside = Path::new(isolation::WORKSPACE).join(rel);
+                let inside = inside.to_string_lossy().into_owned();
+                check_program(view, spec, sandbox_env, &inside)?;
+                let enter = view.entry(&inside)?;
+                (
+                    PathBuf::from(isolation::WORKSPACE),
+                    PathBuf::from(inside),
+                    Some(enter),
+                )
+            }
+            None => (std::fs::canonicalize(&runtime.root)?, cwd, None),
+        };
         let launch = Launch {
-            home: std::fs::canonicalize(&runtime.root)?,
+            home,
             cwd,
+            enter,
             cgroup_procs: runtime
                 .cgroup
                 .as_ref()
-                .map(|cg| cg.procs_files())
+                .map(|cg| cg.procs_files(self.defects.has(Defect::SandboxMemoryUnenforced)))
                 .unwrap_or_default(),
             log: self.log.clone(),
             max_output_bytes: self.max_output_bytes,
@@ -514,7 +675,8 @@ impl LocalProvider {
         self.process(process_id)?.signal(sig)
     }
 
-    /// Files of one sandbox, confined to its root.
+    /// Files of one sandbox, confined to its root. What they create belongs to the
+    /// sandbox's uid when it has one of its own.
     pub fn files(&self, local: &str) -> Result<SandboxFiles, ProviderError> {
         let root = self.sandbox_dir(local)?.join("root");
         let files = SandboxFiles::open(&root, self.defects.has(Defect::SymlinkEscape)).map_err(
@@ -592,24 +754,93 @@ impl LocalProvider {
     }
 
     /// The in-memory side of a sandbox, adopting one created before a restart.
-    fn runtime(&self, local: &str) -> Result<Arc<Runtime>, ProviderError> {
+    async fn runtime(&self, local: &str) -> Result<Arc<Runtime>, ProviderError> {
         let dir = self.sandbox_dir(local)?;
-        let mut sandboxes = lock(&self.sandboxes);
-        if let Some(runtime) = sandboxes.get(local) {
-            if lock(&runtime.inner).destroyed {
-                return Err(ProviderError::NotFound);
-            }
-            return Ok(runtime.clone());
+        if let Some(runtime) = self.registered(local)? {
+            return Ok(runtime);
         }
         let grant = read_grant(&dir).map_err(|_| ProviderError::NotFound)?;
+        let root = dir.join("root");
+        let holder = self.start_namespaces(&root).await?;
+        let mut sandboxes = lock(&self.sandboxes);
+        if let Some(runtime) = sandboxes.get(local) {
+            // Adopted concurrently; this holder is dropped (and killed) unused.
+            return Ok(runtime.clone());
+        }
         let cgroup = self.cgroups.create(local, &grant)?;
-        let runtime = Arc::new(Runtime {
-            root: dir.join("root"),
-            cgroup,
-            inner: Mutex::default(),
-        });
+        let runtime = Arc::new(Runtime::new(root, cgroup, holder));
         sandboxes.insert(local.to_owned(), runtime.clone());
         Ok(runtime)
+    }
+
+    /// The registered runtime of a sandbox; `NotFound` once its destroy started.
+    fn registered(&self, local: &str) -> Result<Option<Arc<Runtime>>, ProviderError> {
+        let sandboxes = lock(&self.sandboxes);
+        match sandboxes.get(local) {
+            Some(runtime) if lock(&runtime.inner).destroyed => Err(ProviderError::NotFound),
+            Some(runtime) => Ok(Some(runtime.clone())),
+            None => Ok(None),
+        }
+    }
+
+    /// A TCP connection to `127.0.0.1:port` as the sandbox's own processes reach it: inside
+    /// its network namespace when it has one.
+    pub async fn connect(
+        &self,
+        local: &str,
+        port: u16,
+    ) -> Result<tokio::net::TcpStream, ProviderError> {
+        let runtime = self.runtime(local).await?;
+        match &runtime.view {
+            Some(view) => Ok(view.connect(port).await?),
+            None => {
+                Ok(tokio::net::TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port)).await?)
+            }
+        }
+    }
+
+    /// Makes `addr`, a loopback address of the server (its own listener, the model
+    /// endpoint), reachable at the same address inside the sandbox, so that a session's
+    /// worker can use it. Nothing else on the host is reachable from a sandbox. A no-op
+    /// without namespaces (the sandbox shares the host's network) and for other addresses.
+    pub async fn forward_loopback(
+        &self,
+        local: &str,
+        addr: std::net::SocketAddr,
+    ) -> Result<(), ProviderError> {
+        let runtime = self.runtime(local).await?;
+        let Some(view) = &runtime.view else {
+            return Ok(());
+        };
+        if !addr.ip().is_loopback() {
+            return Ok(());
+        }
+        if lock(&runtime.forwards)
+            .iter()
+            .any(|(p, _)| *p == addr.port())
+        {
+            return Ok(());
+        }
+        let listener = match view.listen(addr.port()).await {
+            Ok(listener) => listener,
+            // Another call forwarded it meanwhile.
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inside, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    if let Ok(mut outside) = tokio::net::TcpStream::connect(addr).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
+                    }
+                });
+            }
+        });
+        lock(&runtime.forwards).push((addr.port(), task.abort_handle()));
+        Ok(())
     }
 
     /// The handle of a process by record ID (`<provider>:prc_...`, or the bare local ID).
@@ -721,6 +952,57 @@ fn resolve_cwd(root: &Path, cwd: Option<&str>) -> Result<PathBuf, ProviderError>
         return Err(not_a_dir());
     }
     Ok(full)
+}
+
+/// Gives `root` and everything below it (symlinks themselves, not their targets) to `uid`.
+fn chown_tree(root: &Path, uid: u32) -> io::Result<()> {
+    std::os::unix::fs::lchown(root, Some(uid), Some(uid))?;
+    if !std::fs::symlink_metadata(root)?.is_dir() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(root)? {
+        chown_tree(&entry?.path(), uid)?;
+    }
+    Ok(())
+}
+
+/// Refuses, before anything starts, a command whose program the sandbox does not have, as
+/// spawning it directly would (the process's `PATH` is searched in the sandbox's view).
+fn check_program(
+    view: &SandboxView,
+    spec: &ProcessSpec,
+    sandbox_env: &BTreeMap<String, String>,
+    cwd_inside: &str,
+) -> Result<(), ProviderError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Some(program) = spec.cmd.first() else {
+        return Ok(());
+    };
+    let runnable = |inside: &Path| {
+        std::fs::metadata(view.view_path(&inside.to_string_lossy()))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let found = if program.contains('/') {
+        runnable(&Path::new(cwd_inside).join(program))
+    } else {
+        let path = spec
+            .env
+            .get("PATH")
+            .or_else(|| sandbox_env.get("PATH"))
+            .map(String::as_str)
+            .unwrap_or(process::DEFAULT_PATH);
+        std::env::split_paths(path)
+            .filter(|d| d.is_absolute())
+            .any(|d| runnable(&d.join(program)))
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(ProviderError::InvalidArgument {
+            param: "cmd",
+            detail: format!("cannot run `{program}`: not found in the sandbox"),
+        })
+    }
 }
 
 /// Copies a directory tree: files, directories and symlinks (as links); a real copy, so the

@@ -7,11 +7,13 @@
 
 mod cgroup;
 mod files;
+mod isolation;
 mod local;
 mod process;
 
 pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
-pub use local::{Isolation, LocalProvider};
+pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
+pub use local::{Isolation, IsolationReport, LocalProvider};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

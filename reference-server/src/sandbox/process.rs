@@ -27,9 +27,11 @@ use crate::store::{Record, Scope, StoreError};
 use crate::stream::{EventLog, process_stream};
 
 use super::ProviderError;
+use super::isolation::Entry;
 
 /// `PATH` of every sandbox process unless the sandbox or the process sets its own.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(super) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// Bytes read from a pipe at once; one read becomes at most one event.
 const READ_CHUNK: usize = 64 * 1024;
 /// After the process itself exits, how long its output pipes may stay open (held by
@@ -40,9 +42,13 @@ const CAS_ATTEMPTS: usize = 50;
 
 /// What a process needs from its provider and sandbox.
 pub(super) struct Launch {
+    /// The working directory: a host path, or a path inside the sandbox when `enter` is set.
     pub(super) cwd: PathBuf,
-    /// `HOME` of the process: the sandbox root.
+    /// `HOME` of the process: the sandbox root, as the process sees it.
     pub(super) home: PathBuf,
+    /// The sandbox's namespaces when it has its own: the child joins them itself before it
+    /// execs, and `cwd` was already given to them.
+    pub(super) enter: Option<Entry>,
     /// `cgroup.procs` files the child writes itself into before it execs.
     pub(super) cgroup_procs: Vec<CString>,
     pub(super) log: EventLog,
@@ -171,9 +177,11 @@ pub(super) fn spawn(
     env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
 
     let mut cmd = Command::new(program);
-    cmd.args(args)
-        .current_dir(&launch.cwd)
-        .env_clear()
+    cmd.args(args);
+    if launch.enter.is_none() {
+        cmd.current_dir(&launch.cwd);
+    }
+    cmd.env_clear()
         .envs(&env)
         .stdin(if spec.stdin {
             Stdio::piped()
@@ -194,6 +202,14 @@ pub(super) fn spawn(
                 }
                 Ok(())
             });
+        }
+    }
+    if let Some(entry) = launch.enter {
+        // SAFETY: `Entry::enter` is made for this place: system calls only, on what it
+        // opened before the fork. It runs after the cgroups are joined (closures run in
+        // order) and after std made the child its group's leader (`process_group(0)`).
+        unsafe {
+            cmd.pre_exec(move || entry.enter());
         }
     }
     let capture = Arc::new(Capture {

@@ -153,6 +153,31 @@ impl Fixture {
         }
     }
 
+    /// The host PID of what a sandbox's processes see as `pid` (the same PID without
+    /// namespaces); `None` when no such process exists.
+    fn host_pid(&self, local: &str, pid: i32) -> Option<i32> {
+        let view = lock(&self.provider.sandboxes)[local].view.clone();
+        let Some(view) = view else {
+            return Some(pid);
+        };
+        let ns = view.pid_namespace();
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let host: i32 = e.file_name().to_str()?.parse().ok()?;
+            if std::fs::read_link(e.path().join("ns/pid")).ok()? != ns {
+                return None;
+            }
+            let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+            let inner = status
+                .lines()
+                .find_map(|l| l.strip_prefix("NSpid:"))?
+                .split_whitespace()
+                .last()?
+                .parse::<i32>()
+                .ok()?;
+            (inner == pid).then_some(host)
+        })
+    }
+
     fn pgid(&self, id: &str) -> i32 {
         self.provider.process(id).unwrap().pgid()
     }
@@ -231,10 +256,11 @@ async fn create_and_destroy_leave_nothing_behind() {
             .parse()
             .unwrap()
     };
-    let mut pids = vec![f.pgid(&id), f.pgid(&escaped), read_pid("bg.pid")];
-    if f.provider.isolation().cgroups {
-        // With cgroups even a process that left its group is found and killed.
-        pids.push(read_pid("esc.pid"));
+    let host = |name: &str| f.host_pid(&local, read_pid(name)).unwrap();
+    let mut pids = vec![f.pgid(&id), f.pgid(&escaped), host("bg.pid")];
+    if f.provider.isolation().cgroups || f.provider.isolation_report().uid.is_some() {
+        // With cgroups or a PID namespace even a process that left its group is killed.
+        pids.push(host("esc.pid"));
         for path in &cgroups {
             let procs = std::fs::read_to_string(path.join("cgroup.procs")).unwrap();
             assert!(
@@ -576,7 +602,10 @@ async fn timeout_kills_the_whole_group() {
         .trim()
         .parse()
         .unwrap();
-    eventually("the background child to die", || !alive(child)).await;
+    eventually("the background child to die", || {
+        !f.host_pid(&local, child).is_some_and(alive)
+    })
+    .await;
     f.provider.destroy(&local).await.unwrap();
 }
 
@@ -595,7 +624,11 @@ async fn cwd_and_env() {
     ]);
     let id = f.try_start(&local, pwd, &sandbox_env).await.unwrap();
     let (events, _) = f.wait_exit(&id).await;
-    let root = std::fs::canonicalize(f.root(&local)).unwrap();
+    let root = if f.provider.isolation_report().uid.is_some() {
+        PathBuf::from(super::isolation::WORKSPACE)
+    } else {
+        std::fs::canonicalize(f.root(&local)).unwrap()
+    };
     let lines: Vec<String> = output_of(&events, "stdout")
         .lines()
         .map(str::to_owned)
@@ -659,7 +692,12 @@ async fn check_pause(f: &Fixture, expect_stopped: bool) {
             .await
             .map(|_| line)
     };
-    let connect = || tokio::net::TcpStream::connect(("127.0.0.1", port));
+    let connect = || async {
+        f.provider
+            .connect(&local, port)
+            .await
+            .map_err(io::Error::other)
+    };
     assert_eq!(ask(connect().await.unwrap()).await.unwrap(), "1\n");
     let size = || {
         std::fs::metadata(root.join("counter"))
@@ -1062,6 +1100,7 @@ mod defects {
 /// The server's own bookkeeping beside a sandbox's root is in place before the first process
 /// runs: what that process sees of its parent is what the parent holds once it has been
 /// recorded, so a check from inside the sandbox that nothing changed there can rely on it.
+/// With namespaces the parent is the sandbox's own root, where none of it shows.
 #[tokio::test]
 async fn the_first_process_sees_the_parent_as_it_stays() {
     let f = fixture_with(Defects::none(), false, |_| {}).await;
@@ -1079,7 +1118,14 @@ async fn the_first_process_sees_the_parent_as_it_stays() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     held.sort();
-    assert!(seen.contains(&"procs".to_owned()), "seen: {seen:?}");
-    assert_eq!(seen, held);
+    if f.provider.isolation_report().uid.is_some() {
+        // In namespaces of its own the sandbox's `..` is its own root: the bookkeeping is
+        // not in view at all.
+        assert!(seen.contains(&"workspace".to_owned()), "seen: {seen:?}");
+        assert!(!seen.contains(&"procs".to_owned()), "seen: {seen:?}");
+    } else {
+        assert!(seen.contains(&"procs".to_owned()), "seen: {seen:?}");
+        assert_eq!(seen, held);
+    }
     f.provider.destroy(&local).await.unwrap();
 }
