@@ -2,6 +2,10 @@
 //! sessions worker (`worker`, internal), `sandspec serve` (the reference server) and
 //! `sandspec mcp` (the reference sandbox MCP server). `main` only parses arguments and calls
 //! library functions.
+//!
+//! The runner library does not depend on the reference server; this binary does, through the
+//! default `reference` feature. Built without it (`--no-default-features`), `sandspec` is the
+//! runner alone: `run` then needs `--target` or `--launch`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,15 +32,18 @@ enum Command {
     /// Remove test resources (tagged `sandspec_run`) left by earlier, interrupted runs.
     Sweep(sandspec::cli::SweepArgs),
     /// Run the reference server.
+    #[cfg(feature = "reference")]
     Serve(reference_server::cli::ServeArgs),
     /// Run the reference sandbox MCP server on stdio, over the E2B control plane named by
     /// E2B_API_URL and E2B_API_KEY.
+    #[cfg(feature = "reference")]
     Mcp(reference_server::mcp::McpArgs),
     /// Work with evidence folders.
     #[command(subcommand)]
     Evidence(EvidenceCommand),
     /// The agent worker the reference server starts inside a session's sandbox (internal:
     /// configured through its environment and stdin by the server).
+    #[cfg(feature = "reference")]
     #[command(hide = true)]
     Worker,
 }
@@ -58,11 +65,22 @@ enum EvidenceCommand {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
+        #[cfg(not(feature = "reference"))]
+        Command::Run(args) if args.target.is_none() && args.launch.is_none() => {
+            eprintln!(
+                "error: this sandspec was built without the embedded reference server (the \
+                 `reference` feature); name a target with --target URL or --launch COMMAND"
+            );
+            ExitCode::from(sandspec::cli::EXIT_USAGE)
+        }
         Command::Run(args) => sandspec::cli::run_blocking(*args),
         Command::List(args) => sandspec::cli::list(&args),
         Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
+        #[cfg(feature = "reference")]
         Command::Serve(args) => reference_server::cli::main(args),
+        #[cfg(feature = "reference")]
         Command::Mcp(args) => reference_server::mcp::run_blocking(args),
+        #[cfg(feature = "reference")]
         Command::Worker => worker(),
         Command::Evidence(EvidenceCommand::Verify { dir, key }) => ExitCode::from(
             u8::try_from(sandspec::evidence::verify_cli(&dir, key.as_deref())).unwrap_or(1),
@@ -70,6 +88,7 @@ fn main() -> ExitCode {
     }
 }
 
+#[cfg(feature = "reference")]
 /// `sandspec worker`: the same runtime as the `sandspec-worker` binary, so a server started
 /// from this binary always finds a worker.
 fn worker() -> ExitCode {

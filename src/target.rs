@@ -590,7 +590,7 @@ impl Target {
     ) -> Result<Target, TargetError> {
         let mut options = launcher.clone();
         let cluster = if database {
-            let cluster = tokio::task::spawn_blocking(reference_server::testing::PgCluster::launch)
+            let cluster = tokio::task::spawn_blocking(pg_cluster::PgCluster::launch)
                 .await
                 .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?
                 .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?;
@@ -656,7 +656,7 @@ pub struct Control {
     /// cluster, so the servers stop while their database is still there.
     servers: tokio::sync::Mutex<Vec<ReferenceServer>>,
     /// The private PostgreSQL cluster holding the deployment's database (`database_control`).
-    cluster: Option<std::sync::Arc<reference_server::testing::PgCluster>>,
+    cluster: Option<std::sync::Arc<pg_cluster::PgCluster>>,
 }
 
 impl Control {
@@ -695,7 +695,7 @@ impl Control {
         self.on_cluster(|c| c.start()).await
     }
 
-    async fn on_cluster(&self, f: fn(&reference_server::testing::PgCluster)) -> Result<(), String> {
+    async fn on_cluster(&self, f: fn(&pg_cluster::PgCluster)) -> Result<(), String> {
         let cluster = self
             .cluster
             .clone()

@@ -88,7 +88,7 @@ fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
 fn start(store: Store<'_>, api: Api) -> Option<Target> {
     let database_url = match store {
         Store::Postgres | Store::PostgresDefect(_) => {
-            Some(reference_server::testing::PgCluster::shared_or_skip()?.fresh_database_blocking())
+            Some(pg_cluster::PgCluster::shared_or_skip()?.fresh_database_blocking())
         }
         Store::Sqlite | Store::Defect(_) => None,
     };

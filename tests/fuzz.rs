@@ -35,7 +35,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use reference_server::testing::PgCluster;
+use pg_cluster::PgCluster;
 
 const SCHEMATHESIS: &str = "schemathesis==4.32.5";
 /// Fixed, so that a failure found once is found again.

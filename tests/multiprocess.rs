@@ -9,7 +9,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use reference_server::testing::PgCluster;
+use pg_cluster::PgCluster;
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt as _, BufReader};

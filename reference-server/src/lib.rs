@@ -19,8 +19,6 @@
 //! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
 //! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
 //! - [`cli`]: the `sandspec serve` command line.
-//! - [`testing`]: fixtures for tests of this crate and the runner: a private PostgreSQL
-//!   cluster.
 
 pub mod api;
 pub mod cli;
@@ -35,4 +33,3 @@ pub mod sandbox;
 pub mod server;
 pub mod store;
 pub mod stream;
-pub mod testing;

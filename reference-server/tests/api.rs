@@ -1948,7 +1948,7 @@ mod defects {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_store_is_503_and_the_server_recovers() {
-    let Some(pg) = reference_server::testing::PgCluster::start_or_skip() else {
+    let Some(pg) = pg_cluster::PgCluster::start_or_skip() else {
         return;
     };
     let url = pg.fresh_database().await;

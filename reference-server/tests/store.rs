@@ -1,9 +1,9 @@
 //! The shared store suite on every store: SQLite in memory and in a file, and PostgreSQL in a
 //! private cluster (each test its own database).
 
+use pg_cluster::PgCluster;
 use reference_server::store::suite::{self, Fixture};
 use reference_server::store::{PostgresStore, SqliteStore, Store};
-use reference_server::testing::PgCluster;
 
 async fn sqlite_memory() -> Option<Fixture> {
     Some(Fixture::new(

@@ -386,10 +386,7 @@ impl Checker<'_> {
             let known = if stand_in {
                 crate::agent_sandbox::DEFECTS.contains(&defect.value.as_str())
             } else {
-                defect
-                    .value
-                    .parse::<reference_server::defects::Defect>()
-                    .is_ok()
+                defect.value.parse::<sandspec_defects::Defect>().is_ok()
             };
             if !known {
                 self.err(

@@ -29,7 +29,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use reference_server::testing::PgCluster;
+use pg_cluster::PgCluster;
 
 use client::{Api, first_frame};
 use fanout::{Fanout, fan_out};
