@@ -81,29 +81,9 @@ fn main() -> ExitCode {
         #[cfg(feature = "reference")]
         Command::Mcp(args) => reference_server::mcp::run_blocking(args),
         #[cfg(feature = "reference")]
-        Command::Worker => worker(),
+        Command::Worker => reference_server::cli::worker_main(),
         Command::Evidence(EvidenceCommand::Verify { dir, key }) => ExitCode::from(
             u8::try_from(sandspec::evidence::verify_cli(&dir, key.as_deref())).unwrap_or(1),
         ),
-    }
-}
-
-#[cfg(feature = "reference")]
-/// `sandspec worker`: the same runtime as the `sandspec-worker` binary, so a server started
-/// from this binary always finds a worker.
-fn worker() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
-    match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt.block_on(reference_server::gateway::worker::run_from_env()),
-        Err(e) => {
-            eprintln!("sandspec worker: cannot start the async runtime: {e}");
-            ExitCode::from(1)
-        }
     }
 }

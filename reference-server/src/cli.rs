@@ -308,6 +308,26 @@ impl ServeArgs {
     }
 }
 
+/// The agent worker that the gateway starts inside a session's sandbox (`sandspec worker`,
+/// `sandspec-worker`): configured through its environment and, for the bridge secret, its
+/// stdin. Exit status 2: misconfigured, 3: lease lost, 1: other failure.
+pub fn worker_main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(crate::gateway::worker::run_from_env()),
+        Err(e) => {
+            eprintln!("sandspec worker: cannot start the async runtime: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// Runs `sandspec serve`.
 pub fn main(args: ServeArgs) -> ExitCode {
     if args.list_defects {

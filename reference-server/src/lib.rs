@@ -14,7 +14,7 @@
 //! - [`stream`]: the durable per-stream event log, live wake-ups and the SSE response.
 //! - [`gateway`]: the Agents Sessions gateway: sessions, queues, leases, the private bridge
 //!   and the worker that runs turns inside each session's sandbox.
-//! - [`model_fixture`]: an OpenAI-compatible model server replaying scripted responses.
+//! - `model_fixture` (private): an OpenAI-compatible model server replaying scripted responses.
 //! - [`e2b`]: the E2B protocol (control plane and envd) over the same sandboxes.
 //! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
 //! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
@@ -28,7 +28,7 @@ pub mod domain;
 pub mod e2b;
 pub mod gateway;
 pub mod mcp;
-pub mod model_fixture;
+mod model_fixture;
 pub mod sandbox;
 pub mod server;
 pub mod store;

@@ -2,11 +2,6 @@
 //! Everything it needs comes from its environment and, for the bridge secret, its stdin
 //! (see `gateway::worker::WorkerEnv`).
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
-    reference_server::gateway::worker::run_from_env().await
+fn main() -> std::process::ExitCode {
+    reference_server::cli::worker_main()
 }

@@ -12,7 +12,8 @@
 //! - `sessions`, `submissions`, `events`: the `/v1` handlers.
 //! - `bridge`: the private bridge and the session test controls.
 //! - [`signing`]: the bridge signature, shared with the worker.
-//! - [`worker`]: the worker runtime that `sandspec-worker` runs inside a sandbox.
+//! - `worker` (private; entered through `cli::worker_main`): the worker runtime that
+//!   `sandspec-worker` and `sandspec worker` run inside a sandbox.
 //!
 //! Architecture invariant: the gateway changes a session's state only while holding that
 //! session's lock, and appends the event reporting a change before releasing it.
@@ -28,7 +29,7 @@ mod routes;
 mod sessions;
 pub mod signing;
 mod submissions;
-pub mod worker;
+pub(crate) mod worker;
 
 pub use config::{GatewayConfig, worker_binary};
 pub use routes::routes;
