@@ -26,13 +26,13 @@
 //! (no python3, no network) the test is skipped with a message, except under `CI=true`, where
 //! it fails. PostgreSQL is skipped when not installed, unless `SANDSPEC_REQUIRE_POSTGRES=1`.
 
+#[path = "support/serve.rs"]
+mod serve;
 #[path = "support/venv.rs"]
 mod venv;
 
-use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use pg_cluster::PgCluster;
@@ -96,26 +96,7 @@ fn serve(database_url: Option<&str>, token: &str) -> Server {
         .stderr(Stdio::null())
         .spawn()
         .expect("start sandspec serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        for line in lines.by_ref().map_while(Result::ok) {
-            if let Some(url) = line.strip_prefix("listening on ") {
-                let _ = tx.send(url.to_owned());
-                break;
-            }
-        }
-        // Keep draining, so that the server never blocks on a full pipe.
-        for _ in lines {}
-    });
-    let base = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(base) => base,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("sandspec serve printed no `listening on` line: {e}");
-        }
-    };
+    let base = serve::base_url_blocking(&mut child);
     Server {
         child,
         base,

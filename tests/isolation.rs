@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 
 use reqwest::Client;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
+
+#[path = "support/serve.rs"]
+mod serve;
 
 const ALICE: &str = "alice-isolation-token";
 
@@ -32,18 +34,7 @@ async fn start(data_dir: &Path) -> (Child, String) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start sandspec serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    let base = tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(line) = lines.next_line().await.expect("read stdout") {
-            if let Some(url) = line.strip_prefix("listening on ") {
-                return url.to_owned();
-            }
-        }
-        panic!("the server exited before listening");
-    })
-    .await
-    .expect("no `listening on` line within 60 s");
+    let base = serve::base_url(&mut child).await;
     (child, base)
 }
 

@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 use pg_cluster::PgCluster;
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
+
+#[path = "support/serve.rs"]
+mod serve;
 
 const ALICE: &str = "alice-multiprocess-token";
 const ADMIN: &str = "admin-multiprocess-token";
@@ -46,18 +48,7 @@ impl Server {
             .kill_on_drop(true)
             .spawn()
             .expect("start sandspec serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let base = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await.expect("read stdout") {
-                if let Some(url) = line.strip_prefix("listening on ") {
-                    return url.to_owned();
-                }
-            }
-            panic!("the server exited before listening");
-        })
-        .await
-        .expect("no `listening on` line within 30 s");
+        let base = serve::base_url(&mut child).await;
         Server {
             child,
             base,

@@ -1951,6 +1951,42 @@ async fn expired_cursors_are_refused_never_skipped() {
     assert_eq!(page["last_seq"], 1);
 }
 
+/// The JSON form of session events takes the stream's cursor: a `Last-Event-ID` header wins
+/// over `after`, and one that is not digits (the empty value included) is refused as on the
+/// stream, whatever `after` says.
+#[tokio::test]
+async fn the_json_form_reads_and_checks_last_event_id() {
+    let app = support::spawn_app(|_| {}).await;
+    let session = create_session(&app, ALICE, "echo").await;
+    let sid = session["id"].as_str().unwrap();
+    let path = format!("/v1/sessions/{sid}/events?format=json&after=0");
+    let all = app.get(ALICE, &path).await.ok(200);
+    let first = all["data"][0]["seq"].as_i64().expect("a first event");
+    let get = |cursor: String| {
+        app.send(
+            app.request(Some(ALICE), reqwest::Method::GET, &path)
+                .header("Last-Event-ID", cursor),
+        )
+    };
+    let page = get(first.to_string()).await.ok(200);
+    assert!(
+        page["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["seq"].as_i64() > Some(first)),
+        "{page}"
+    );
+    assert_eq!(
+        page["data"].as_array().unwrap().len() + 1,
+        all["data"].as_array().unwrap().len()
+    );
+    for bad in ["", "x", "+1", "-1"] {
+        let problem = get(bad.to_owned()).await.problem(400, "invalid_argument");
+        assert_eq!(problem["param"], "Last-Event-ID", "{bad:?}: {problem}");
+    }
+}
+
 #[tokio::test]
 async fn a_turn_that_never_ends_stops_at_its_step_budget() {
     let app = app_with(|c| c.gateway.max_steps = 3).await;

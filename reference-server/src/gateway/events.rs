@@ -35,9 +35,16 @@ pub async fn session_events(
     let q = query_pairs(query.as_deref());
     let stream = session_stream(&sid);
     if q.get("format").map(String::as_str) == Some("json") {
+        // The JSON form takes the same cursor as the stream (SSE-7.10): a `Last-Event-ID`
+        // header, checked alike, wins over `after`.
+        let resume = match headers.get("last-event-id") {
+            Some(_) => sse::parse_cursor(&headers, None)?,
+            None => None,
+        };
         return json_page(
             &state,
             &stream,
+            resume,
             q.get("after").map(String::as_str),
             q.get("limit").map(String::as_str),
         )
@@ -194,13 +201,15 @@ async fn sse_response(
 async fn json_page(
     state: &AppState,
     stream: &str,
+    resume: Option<i64>,
     after: Option<&str>,
     limit: Option<&str>,
 ) -> ApiResult<Response> {
     let after =
-        match after {
-            None => 0,
-            Some(raw) => raw.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+        match (resume, after) {
+            (Some(cursor), _) => cursor,
+            (None, None) => 0,
+            (None, Some(raw)) => raw.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
                 ApiError::invalid("after", "after must be a non-negative integer")
             })?,
         };
