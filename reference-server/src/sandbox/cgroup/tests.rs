@@ -304,6 +304,22 @@ fn on_hybrid_each_controller_comes_from_the_hierarchy_holding_it() {
     assert_eq!(cg.procs_files(true).len(), 2);
 }
 
+/// A sandbox cgroup whose processes are killed and directory removed however the test ends.
+struct Teardown(SandboxCgroup);
+
+impl std::ops::Deref for Teardown {
+    type Target = SandboxCgroup;
+    fn deref(&self) -> &SandboxCgroup {
+        &self.0
+    }
+}
+
+impl Drop for Teardown {
+    fn drop(&mut self) {
+        self.0.remove_now();
+    }
+}
+
 /// Runs `script` with `sh` inside the sandbox cgroup (joined between fork and exec, as the
 /// provider's processes do).
 fn spawn_in(cg: &SandboxCgroup, script: &str) -> std::process::Child {
@@ -323,11 +339,10 @@ fn spawn_in(cg: &SandboxCgroup, script: &str) -> std::process::Child {
     cmd.spawn().unwrap()
 }
 
+/// How far a counting process got: the length of the file it appends to (which only grows,
+/// so no read sees it half rewritten).
 fn counter(path: &Path) -> u64 {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|t| t.trim().parse().ok())
-        .unwrap_or(0)
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
 }
 
 /// Whether `pid` has ended (gone, or a zombie nobody reaped yet).
@@ -385,6 +400,7 @@ async fn the_unified_hierarchy_freezes_kills_and_removes_real_processes() {
         eprintln!("v2 limits not tested: the unified hierarchy offers only {offered:?}");
     }
     let cg = cgroups.create("sbx_v2", &grant(0.5, 128)).unwrap().unwrap();
+    let cg = Teardown(cg);
     let dir = cg.paths()[0].clone();
     assert!(
         dir.starts_with(&mount) && dir.ends_with("v2test/sbx_v2"),
@@ -402,7 +418,7 @@ async fn the_unified_hierarchy_freezes_kills_and_removes_real_processes() {
     let tmp = tempfile::tempdir().unwrap();
     let count = tmp.path().join("count");
     let script = format!(
-        "setsid sleep 1000 & i=0; while :; do i=$((i+1)); echo $i > {}; done",
+        "setsid sleep 1000 & i=0; while :; do i=$((i+1)); echo $i >> {} || exit 1; done",
         count.display()
     );
     let mut child = spawn_in(&cg, &script);
@@ -506,6 +522,7 @@ async fn kill_all_ends_a_frozen_v2_sandbox() {
         return;
     }
     let cg = cgroups.create("sbx_k", &grant(0.25, 64)).unwrap().unwrap();
+    let cg = Teardown(cg);
     let dir = cg.paths()[0].clone();
     let mut child = spawn_in(&cg, "sleep 1000 & sleep 1000 & wait");
     let deadline = Instant::now() + Duration::from_secs(10);
