@@ -837,4 +837,4 @@ fn read_number<T: std::str::FromStr>(path: &Path) -> io::Result<T> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

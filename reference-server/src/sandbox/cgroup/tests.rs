@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 
-const INSTANCE: &str = "fake-instance";
+pub(in crate::sandbox) const INSTANCE: &str = "fake-instance";
 
 fn grant(cpu: f64, memory_mb: u64) -> Resources {
     Resources { cpu, memory_mb }
@@ -29,7 +29,7 @@ fn read(path: &Path) -> String {
 
 /// A fake unified hierarchy at `mount` whose cgroups from the mount down to the provider
 /// directory `local` offer `controllers`, each with the v2 core and limit files.
-fn fake_v2_chain(mount: &Path, own: &str, controllers: &str) -> PathBuf {
+pub(in crate::sandbox) fn fake_v2_chain(mount: &Path, own: &str, controllers: &str) -> PathBuf {
     let own_dir = mount.join(own);
     let provider = own_dir.join("sandspec").join(INSTANCE).join("local");
     let v2_files = [
