@@ -320,6 +320,16 @@ impl Drop for Teardown {
     }
 }
 
+/// A child process killed and reaped however the test ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Runs `script` with `sh` inside the sandbox cgroup (joined between fork and exec, as the
 /// provider's processes do).
 fn spawn_in(cg: &SandboxCgroup, script: &str) -> std::process::Child {
@@ -536,5 +546,94 @@ async fn kill_all_ends_a_frozen_v2_sandbox() {
     assert!(child.wait().unwrap().code().is_none(), "killed by a signal");
     cg.remove_now();
     assert!(!dir.exists());
+    cgroups.remove_provider_dirs();
+}
+
+/// What a crashed server instance left below the real unified hierarchy (a sandbox cgroup
+/// with a live process in it) is killed and removed when a provider starts; an instance of
+/// another PID namespace is left alone.
+#[tokio::test]
+async fn stale_v2_cgroups_of_a_crashed_instance_are_reaped_at_start() {
+    let Some(mount) = Layout::detect().v2 else {
+        assert!(
+            std::env::var("SANDSPEC_REQUIRE_ISOLATION").as_deref() != Ok("1"),
+            "isolation is required but this machine has no cgroup2 mount"
+        );
+        eprintln!("skipped: no cgroup2 mount below /sys/fs/cgroup");
+        return;
+    };
+    let layout = Layout {
+        v1: None,
+        v2: Some(mount.clone()),
+    };
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    let own_v2 = parse_own_cgroups(&own)
+        .into_iter()
+        .find(|(controllers, _)| controllers.is_empty())
+        .map(|(_, path)| path)
+        .unwrap_or_default();
+    let sandspec = own_base(&mount, &own_v2).join("sandspec");
+    let namespace = own_pid_namespace();
+    assert_ne!(namespace, 0);
+    // PIDs are at most 2^22 on Linux, so this instance's server cannot exist.
+    let unique = ulid::Ulid::new().to_string().to_lowercase();
+    let stale = sandspec
+        .join(format!("99999999-{namespace}-{unique}"))
+        .join("local")
+        .join("sbx_left");
+    let foreign = sandspec.join(format!("99999999-{}-{unique}", namespace + 1));
+    if std::fs::create_dir_all(&foreign).is_err() {
+        assert!(
+            std::env::var("SANDSPEC_REQUIRE_ISOLATION").as_deref() != Ok("1"),
+            "isolation is required but no cgroup could be made below {}",
+            mount.display()
+        );
+        eprintln!("skipped: no cgroup could be made below {}", mount.display());
+        return;
+    }
+    let orphan = std::process::Command::new("sleep")
+        .arg("1000")
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut orphan = KillOnDrop(orphan);
+    // Providers that other tests start meanwhile reap it too, even between the creation of
+    // its parent and its own: set it up again until the process is in it.
+    let mut placed = false;
+    for _ in 0..10_000 {
+        if std::fs::create_dir_all(&stale).is_ok()
+            && std::fs::write(stale.join("cgroup.procs"), orphan.0.id().to_string()).is_ok()
+        {
+            placed = true;
+            break;
+        }
+        std::thread::yield_now();
+    }
+    assert!(
+        placed,
+        "the orphan could not be placed in {}",
+        stale.display()
+    );
+
+    let instance = format!("{}-{namespace}-{unique}", std::process::id());
+    let cgroups = Cgroups::detect_in(&layout, &own, "v2reap", &instance);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut status = None;
+    while status.is_none() && Instant::now() < deadline {
+        status = orphan.0.try_wait().unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = status.expect("the orphan in the stale cgroup was not killed");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL)
+    );
+    assert!(!stale.exists(), "{} left behind", stale.display());
+    assert!(!stale.parent().unwrap().parent().unwrap().exists());
+    assert!(
+        foreign.is_dir(),
+        "another PID namespace's instance was touched"
+    );
+    std::fs::remove_dir(&foreign).unwrap();
     cgroups.remove_provider_dirs();
 }
