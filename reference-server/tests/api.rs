@@ -43,6 +43,10 @@ fn check_isolation_report(iso: &Value) {
     }
     let enforced = iso["enforced"].as_array().expect("enforced");
     assert_eq!(iso["cgroup"].is_null(), enforced.is_empty(), "{iso}");
+    assert!(
+        matches!(iso["cgroup"].as_str(), None | Some("v1" | "v2" | "hybrid")),
+        "{iso}"
+    );
     let limits = enforced.contains(&json!("memory"));
     assert_eq!(limits, iso["pids_max"].is_u64(), "{iso}");
 }

@@ -1,9 +1,22 @@
-//! cgroup v1 control of sandboxes: limits that the kernel enforces and that are read back as
-//! the grant, membership of every sandbox process, the freezer for pause, and removal.
+//! cgroup control of sandboxes, on cgroup v1 and v2: limits that the kernel enforces and that
+//! are read back as the grant, membership of every sandbox process, the freezer for pause,
+//! and removal.
+//!
+//! Each controller is taken from the hierarchy that actually holds it: a v1 hierarchy of its
+//! own (`<mount root>/<controller>` with a `tasks` file) when there is one, else the unified
+//! (v2) hierarchy when its root offers it (`cgroup.controllers`). The v2 freezer is part of
+//! every non-root v2 cgroup (`cgroup.freeze`), so a machine with a v2 mount has one even
+//! without v2 controllers. The unified hierarchy is `<mount root>` itself when that is a
+//! cgroup2 mount (pure v2), else `<mount root>/unified` when that is one (hybrid).
 //!
 //! Each provider instance gets `sandspec/<instance>/<provider>` below the server's own cgroup
-//! in every controller (so sandboxes stay inside whatever limits the server itself runs
-//! under), and each sandbox a `<local>` directory below that.
+//! in every hierarchy it uses (so sandboxes stay inside whatever limits the server itself runs
+//! under), and each sandbox a `<local>` directory below that. On v2 the sandboxes are leaves
+//! and their parents (`sandspec`, `<instance>`, `<provider>`) hold no process, so the "no
+//! internal processes" rule lets each delegate memory, cpu and pids to its children through
+//! `cgroup.subtree_control`. The server's own cgroup holds the server: unless it is the root
+//! (exempt from the rule) or already delegates the controllers, the kernel refuses to enable
+//! them there (EBUSY) and those limits are then not enforced, which the capabilities say.
 
 use std::ffi::CString;
 use std::io;
@@ -19,13 +32,107 @@ pub(super) const CPU_PERIOD_US: u64 = 100_000;
 pub(super) const PIDS_MAX: u32 = 4096;
 const MIB: u64 = 1024 * 1024;
 const MOUNT_ROOT: &str = "/sys/fs/cgroup";
+/// The v2 controllers sandboxes use, in the order they are enabled.
+const V2_CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
+
+/// Which cgroup hierarchy a controller of a sandbox is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Version {
+    V1,
+    V2,
+}
+
+/// Where this machine's cgroup hierarchies are mounted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Layout {
+    /// The directory holding one v1 hierarchy per controller (`<root>/memory`, ...), unless
+    /// the mount root is itself the unified hierarchy.
+    pub(super) v1: Option<PathBuf>,
+    /// The unified (cgroup2) hierarchy, when there is one.
+    pub(super) v2: Option<PathBuf>,
+}
+
+impl Layout {
+    /// This machine's layout below `/sys/fs/cgroup`.
+    pub(super) fn detect() -> Self {
+        Self::at(Path::new(MOUNT_ROOT))
+    }
+
+    /// The layout below `root`: pure v2 when `root` is a cgroup2 hierarchy, else v1
+    /// hierarchies below it, with a unified one at `root/unified` on a hybrid machine.
+    pub(super) fn at(root: &Path) -> Self {
+        if is_v2_hierarchy(root) {
+            return Self {
+                v1: None,
+                v2: Some(root.to_owned()),
+            };
+        }
+        Self {
+            v1: Some(root.to_owned()),
+            v2: Some(root.join("unified")).filter(|p| is_v2_hierarchy(p)),
+        }
+    }
+
+    /// `v2`, `hybrid` or `v1`, for the log.
+    pub(super) fn kind(&self) -> &'static str {
+        match (&self.v1, &self.v2) {
+            (None, Some(_)) => "v2",
+            (Some(_), Some(_)) => "hybrid",
+            _ => "v1",
+        }
+    }
+
+    /// The v1 hierarchy of `controller`, when the machine mounts one.
+    fn v1_hierarchy(&self, controller: &str) -> Option<PathBuf> {
+        let mount = self.v1.as_ref()?.join(controller);
+        // cgroup v1 hierarchies have a `tasks` file; cgroup v2 does not.
+        mount.join("tasks").is_file().then_some(mount)
+    }
+
+    /// Whether the unified hierarchy's root offers `controller` (is not bound to v1).
+    fn v2_offers(&self, controller: &str) -> bool {
+        self.v2
+            .as_ref()
+            .is_some_and(|v2| controller_list(&v2.join("cgroup.controllers")).contains(&controller))
+    }
+}
+
+/// A cgroup2 hierarchy's directories have `cgroup.controllers`; v1 ones never have it.
+fn is_v2_hierarchy(dir: &Path) -> bool {
+    dir.join("cgroup.controllers").is_file() && !dir.join("tasks").exists()
+}
+
+/// The controllers named in a `cgroup.controllers` or `cgroup.subtree_control` file (which
+/// the kernel lists space-separated; a leading `+` is tolerated), of those sandboxes use.
+fn controller_list(path: &Path) -> Vec<&'static str> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    parse_controllers(&text)
+}
+
+fn parse_controllers(text: &str) -> Vec<&'static str> {
+    let named: Vec<&str> = text
+        .split_whitespace()
+        .map(|c| c.trim_start_matches('+'))
+        .collect();
+    V2_CONTROLLERS
+        .into_iter()
+        .filter(|c| named.contains(c))
+        .collect()
+}
+
+/// One controller of a provider or sandbox: its hierarchy and directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Ctl {
+    version: Version,
+    dir: PathBuf,
+}
 
 /// The controllers a provider uses, each a directory `.../sandspec/<instance>/<provider>`.
 pub(super) struct Cgroups {
     /// memory, cpu and pids together: limits are only enforced when all three are writable.
-    limits: Option<[PathBuf; 3]>,
+    limits: Option<[Ctl; 3]>,
     /// Pause freezes the sandbox's cgroup when this is writable.
-    freezer: Option<PathBuf>,
+    freezer: Option<Ctl>,
 }
 
 impl Cgroups {
@@ -38,56 +145,115 @@ impl Cgroups {
         }
     }
 
-    /// Finds writable cgroup v1 controllers and creates this provider's directories in them,
-    /// below a directory of its own: `<pid>-<pid namespace>-<ulid>`.
+    /// Finds writable controllers and creates this provider's directories in them, below a
+    /// directory of its own: `<pid>-<pid namespace>-<ulid>`.
     pub(super) fn detect(provider: &str) -> Self {
-        let namespace = own_pid_namespace();
         let instance = format!(
-            "{}-{namespace}-{}",
+            "{}-{}-{}",
             std::process::id(),
+            own_pid_namespace(),
             ulid::Ulid::new().to_string().to_lowercase()
         );
-        let own = own_cgroups();
-        let prepare = |controller: &str, probe_file: &str| -> Option<PathBuf> {
-            let mount = Path::new(MOUNT_ROOT).join(controller);
-            // cgroup v1 hierarchies have a `tasks` file; cgroup v2 does not.
-            if !mount.join("tasks").is_file() {
-                return None;
-            }
+        let layout = Layout::detect();
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        let cgroups = Self::detect_in(&layout, &own, provider, &instance);
+        tracing::debug!(
+            layout = layout.kind(),
+            version = cgroups.version(),
+            enforced = ?cgroups.enforced(),
+            "cgroups detected"
+        );
+        cgroups
+    }
+
+    /// `detect` on a given layout, with the server's `/proc/self/cgroup` text and the name of
+    /// its instance directory.
+    pub(super) fn detect_in(layout: &Layout, own: &str, provider: &str, instance: &str) -> Self {
+        let namespace = own_pid_namespace();
+        let own = parse_own_cgroups(own);
+        let prepare_v1 = |controller: &str, probe_file: &str| -> Option<Ctl> {
+            let mount = layout.v1_hierarchy(controller)?;
             let own_path = own
                 .iter()
                 .find(|(controllers, _)| controllers.split(',').any(|c| c == controller))
-                .map(|(_, path)| path.trim_start_matches('/').to_owned())
+                .map(|(_, path)| path.as_str())
                 .unwrap_or_default();
-            // Inside a container without a cgroup namespace the path may not be visible
-            // below the mount; the mount root is then the closest thing we can use.
-            let base = Some(mount.join(&own_path))
-                .filter(|p| p.is_dir())
-                .unwrap_or(mount);
-            reap_stale(&base.join("sandspec"), namespace);
-            let dir = base.join("sandspec").join(&instance).join(provider);
-            std::fs::create_dir_all(&dir).ok()?;
+            let dir = provider_dir(&mount, own_path, namespace, instance, provider)?;
             if dir.join(probe_file).is_file() {
-                Some(dir)
+                Some(Ctl {
+                    version: Version::V1,
+                    dir,
+                })
             } else {
                 remove_provider_dir(&dir);
                 None
             }
         };
-        let memory = prepare("memory", "memory.limit_in_bytes");
-        let cpu = prepare("cpu", "cpu.cfs_quota_us");
-        let pids = prepare("pids", "pids.max");
-        let freezer = prepare("freezer", "freezer.state");
+        let memory_v1 = prepare_v1("memory", "memory.limit_in_bytes");
+        let cpu_v1 = prepare_v1("cpu", "cpu.cfs_quota_us");
+        let pids_v1 = prepare_v1("pids", "pids.max");
+        let freezer_v1 = prepare_v1("freezer", "freezer.state");
+
+        // What v1 does not hold is taken from v2 where its root offers it.
+        let wanted: Vec<&'static str> = [
+            ("cpu", cpu_v1.is_none()),
+            ("memory", memory_v1.is_none()),
+            ("pids", pids_v1.is_none()),
+        ]
+        .into_iter()
+        .filter(|(c, missing)| *missing && layout.v2_offers(c))
+        .map(|(c, _)| c)
+        .collect();
+        let needs_v2 = !wanted.is_empty() || freezer_v1.is_none();
+        let v2 = match &layout.v2 {
+            Some(mount) if needs_v2 => {
+                let own_path = own
+                    .iter()
+                    .find(|(controllers, _)| controllers.is_empty())
+                    .map(|(_, path)| path.as_str())
+                    .unwrap_or_default();
+                provider_dir(mount, own_path, namespace, instance, provider).map(|dir| {
+                    let enabled = enable_controllers(mount, own_path, &dir, &wanted);
+                    (dir, enabled)
+                })
+            }
+            _ => None,
+        };
+        let from_v2 = |controller: &str, probe_file: &str| -> Option<Ctl> {
+            let (dir, enabled) = v2.as_ref()?;
+            (enabled.contains(&controller) && dir.join(probe_file).is_file()).then(|| Ctl {
+                version: Version::V2,
+                dir: dir.clone(),
+            })
+        };
+        let memory = memory_v1.or_else(|| from_v2("memory", "memory.max"));
+        let cpu = cpu_v1.or_else(|| from_v2("cpu", "cpu.max"));
+        let pids = pids_v1.or_else(|| from_v2("pids", "pids.max"));
+        let freezer = freezer_v1.or_else(|| {
+            let (dir, _) = v2.as_ref()?;
+            dir.join("cgroup.freeze").is_file().then(|| Ctl {
+                version: Version::V2,
+                dir: dir.clone(),
+            })
+        });
         let limits = match (memory, cpu, pids) {
             (Some(m), Some(c), Some(p)) => Some([m, c, p]),
             (m, c, p) => {
-                for dir in [m, c, p].into_iter().flatten() {
-                    remove_provider_dir(&dir);
+                for ctl in [m, c, p].into_iter().flatten() {
+                    if ctl.version == Version::V1 {
+                        remove_provider_dir(&ctl.dir);
+                    }
                 }
                 None
             }
         };
-        Self { limits, freezer }
+        let cgroups = Self { limits, freezer };
+        if let Some((dir, _)) = &v2
+            && !cgroups.provider_dirs().contains(&dir)
+        {
+            remove_provider_dir(dir);
+        }
+        cgroups
     }
 
     pub(super) fn enforces_limits(&self) -> bool {
@@ -96,6 +262,37 @@ impl Cgroups {
 
     pub(super) fn has_freezer(&self) -> bool {
         self.freezer.is_some()
+    }
+
+    /// `v1`, `v2`, or `hybrid` (some of each) for the controllers in use; `None` without any.
+    pub(super) fn version(&self) -> Option<&'static str> {
+        let versions: Vec<Version> = self
+            .limits
+            .iter()
+            .flatten()
+            .chain(self.freezer.iter())
+            .map(|c| c.version)
+            .collect();
+        let v1 = versions.contains(&Version::V1);
+        let v2 = versions.contains(&Version::V2);
+        match (v1, v2) {
+            (true, true) => Some("hybrid"),
+            (true, false) => Some("v1"),
+            (false, true) => Some("v2"),
+            (false, false) => None,
+        }
+    }
+
+    /// What the kernel enforces per sandbox: `memory`, `cpu`, `pids`, `freezer`.
+    pub(super) fn enforced(&self) -> Vec<&'static str> {
+        let mut enforced = Vec::new();
+        if self.enforces_limits() {
+            enforced.extend(["memory", "cpu", "pids"]);
+        }
+        if self.has_freezer() {
+            enforced.push("freezer");
+        }
+        enforced
     }
 
     /// Creates the sandbox's cgroups and writes its limits. Returns `None` when this provider
@@ -113,16 +310,17 @@ impl Cgroups {
             cpu: None,
             pids: None,
             freezer: None,
+            dirs: Vec::new(),
         };
         let result = (|| {
             if let Some([memory, cpu, pids]) = &self.limits {
-                cg.memory = Some(make_dir(&memory.join(local))?);
-                cg.cpu = Some(make_dir(&cpu.join(local))?);
-                cg.pids = Some(make_dir(&pids.join(local))?);
+                cg.memory = Some(cg.make(memory, local)?);
+                cg.cpu = Some(cg.make(cpu, local)?);
+                cg.pids = Some(cg.make(pids, local)?);
                 cg.write_limits(grant)?;
             }
             if let Some(freezer) = &self.freezer {
-                cg.freezer = Some(make_dir(&freezer.join(local))?);
+                cg.freezer = Some(cg.make(freezer, local)?);
             }
             Ok(())
         })();
@@ -135,13 +333,106 @@ impl Cgroups {
         }
     }
 
+    /// The provider directories in use, each once (v2 controllers share one).
+    fn provider_dirs(&self) -> Vec<&PathBuf> {
+        let mut dirs: Vec<&PathBuf> = Vec::new();
+        for ctl in self.limits.iter().flatten().chain(self.freezer.iter()) {
+            if !dirs.contains(&&ctl.dir) {
+                dirs.push(&ctl.dir);
+            }
+        }
+        dirs
+    }
+
     /// Removes this provider's (empty) directories: at shutdown, after every sandbox cgroup.
     pub(super) fn remove_provider_dirs(&self) {
-        let dirs = self.limits.iter().flatten().chain(self.freezer.iter());
-        for dir in dirs {
+        for dir in self.provider_dirs() {
             remove_provider_dir(dir);
         }
     }
+}
+
+/// Creates `sandspec/<instance>/<provider>` below the server's own cgroup `own_path` in the
+/// hierarchy mounted at `mount`, after reaping what crashed instances left in `sandspec`.
+fn provider_dir(
+    mount: &Path,
+    own_path: &str,
+    namespace: u64,
+    instance: &str,
+    provider: &str,
+) -> Option<PathBuf> {
+    let base = own_base(mount, own_path);
+    reap_stale(&base.join("sandspec"), namespace);
+    let dir = base.join("sandspec").join(instance).join(provider);
+    std::fs::create_dir_all(&dir).ok()?;
+    // Every cgroup directory has `cgroup.procs`; without it this is no cgroup.
+    if dir.join("cgroup.procs").is_file() {
+        Some(dir)
+    } else {
+        remove_provider_dir(&dir);
+        None
+    }
+}
+
+/// The server's own cgroup below a mount. Inside a container without a cgroup namespace the
+/// path may not be visible below the mount; the mount root is then the closest thing we can
+/// use.
+fn own_base(mount: &Path, own_path: &str) -> PathBuf {
+    Some(mount.join(own_path.trim_start_matches('/')))
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(|| mount.to_owned())
+}
+
+/// Enables `wanted` in `cgroup.subtree_control` of every cgroup from the server's own down to
+/// the provider's directory `dir`, where each one's `cgroup.controllers` offers them, and
+/// returns those the provider's directory then delegates to its sandboxes.
+fn enable_controllers(
+    mount: &Path,
+    own_path: &str,
+    dir: &Path,
+    wanted: &[&'static str],
+) -> Vec<&'static str> {
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let base = own_base(mount, own_path);
+    let mut chain: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|p| p.starts_with(&base))
+        .collect();
+    chain.reverse();
+    let mut enabled = wanted.to_vec();
+    for cgroup in chain {
+        let offered = controller_list(&cgroup.join("cgroup.controllers"));
+        enabled.retain(|c| offered.contains(c));
+        if enabled.is_empty() {
+            break;
+        }
+        let control = cgroup.join("cgroup.subtree_control");
+        let all = subtree_control_line(&enabled);
+        if let Err(e) = std::fs::write(&control, &all) {
+            // One refused controller fails the whole write; the others may still be enabled.
+            for c in &enabled {
+                if let Err(e) = std::fs::write(&control, format!("+{c}")) {
+                    tracing::debug!(cgroup = %cgroup.display(), controller = %c, error = %e,
+                        "cannot enable a cgroup v2 controller");
+                }
+            }
+            tracing::debug!(cgroup = %cgroup.display(), error = %e, "cgroup.subtree_control");
+        }
+        let delegated = controller_list(&control);
+        enabled.retain(|c| delegated.contains(c));
+    }
+    enabled
+}
+
+/// `+cpu +memory +pids` for `cgroup.subtree_control`.
+fn subtree_control_line(controllers: &[&str]) -> String {
+    controllers
+        .iter()
+        .map(|c| format!("+{c}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Removes `<instance>/<provider>` and then `<instance>` if empty. `sandspec/` itself stays:
@@ -207,14 +498,8 @@ fn remove_tree(dir: &Path) {
         }
     }
     for _ in 0..100 {
-        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-            // SAFETY: kill(2) on a task of a cgroup that only sandbox processes join.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        if dir.join("freezer.state").is_file() {
-            let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
-        }
+        kill_members(dir);
+        thaw_now(dir);
         match std::fs::remove_dir(dir) {
             Ok(()) => return,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return,
@@ -224,15 +509,47 @@ fn remove_tree(dir: &Path) {
     tracing::warn!(cgroup = %dir.display(), "could not remove a stale cgroup");
 }
 
+/// SIGKILLs every task of one cgroup directory: through `cgroup.kill` where the kernel has
+/// it (v2, which also catches tasks forking meanwhile), and each listed task in any case.
+fn kill_members(dir: &Path) {
+    let kill = dir.join("cgroup.kill");
+    if kill.is_file() {
+        let _ = std::fs::write(kill, "1");
+    }
+    for pid in members(dir) {
+        // SAFETY: kill(2) on a task of a cgroup that only sandbox processes join.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// Thaws one cgroup directory without waiting (a frozen task only dies once thawed on v1).
+fn thaw_now(dir: &Path) {
+    if dir.join("freezer.state").is_file() {
+        let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+    }
+    if dir.join("cgroup.freeze").is_file() {
+        let _ = std::fs::write(dir.join("cgroup.freeze"), "0");
+    }
+}
+
+/// The processes listed in a cgroup directory's `cgroup.procs`.
+fn members(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
 /// Creates one cgroup directory; an existing one is refused (it would belong to someone else).
 fn make_dir(path: &Path) -> io::Result<PathBuf> {
     std::fs::create_dir(path)?;
     Ok(path.to_owned())
 }
 
-/// `(controllers, path)` for every line of `/proc/self/cgroup`.
-fn own_cgroups() -> Vec<(String, String)> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+/// `(controllers, path)` for every line of a `/proc/<pid>/cgroup` text. The v2 line is
+/// `0::<path>`, with no controllers.
+fn parse_own_cgroups(text: &str) -> Vec<(String, String)> {
     text.lines()
         .filter_map(|line| {
             let mut parts = line.splitn(3, ':');
@@ -246,33 +563,64 @@ fn own_cgroups() -> Vec<(String, String)> {
 
 /// The cgroups of one sandbox.
 pub(super) struct SandboxCgroup {
-    memory: Option<PathBuf>,
-    cpu: Option<PathBuf>,
-    pids: Option<PathBuf>,
-    freezer: Option<PathBuf>,
+    memory: Option<Ctl>,
+    cpu: Option<Ctl>,
+    pids: Option<Ctl>,
+    freezer: Option<Ctl>,
+    /// Every directory, each once (on v2 the controllers share one).
+    dirs: Vec<Ctl>,
 }
 
 impl SandboxCgroup {
+    /// The sandbox's directory below a provider's controller, created unless another of its
+    /// controllers (same hierarchy) made it already.
+    fn make(&mut self, provider: &Ctl, local: &str) -> io::Result<Ctl> {
+        let dir = provider.dir.join(local);
+        if let Some(made) = self.dirs.iter().find(|c| c.dir == dir) {
+            return Ok(made.clone());
+        }
+        let ctl = Ctl {
+            version: provider.version,
+            dir: make_dir(&dir)?,
+        };
+        self.dirs.push(ctl.clone());
+        Ok(ctl)
+    }
+
     fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
-        [&self.memory, &self.cpu, &self.pids, &self.freezer]
-            .into_iter()
-            .flatten()
+        self.dirs.iter().map(|c| &c.dir)
     }
 
     fn write_limits(&self, grant: &Resources) -> io::Result<()> {
         if let Some(memory) = &self.memory {
-            std::fs::write(
-                memory.join("memory.limit_in_bytes"),
-                (grant.memory_mb * MIB).to_string(),
-            )?;
+            let bytes = (grant.memory_mb * MIB).to_string();
+            match memory.version {
+                Version::V1 => std::fs::write(memory.dir.join("memory.limit_in_bytes"), bytes)?,
+                Version::V2 => {
+                    std::fs::write(memory.dir.join("memory.max"), bytes)?;
+                    // Without swap off, a sandbox over its limit would swap rather than be
+                    // killed (the file is absent when the kernel has no swap accounting).
+                    let swap = memory.dir.join("memory.swap.max");
+                    if swap.is_file() {
+                        std::fs::write(swap, "0")?;
+                    }
+                }
+            }
         }
         if let Some(cpu) = &self.cpu {
-            let quota = (grant.cpu * CPU_PERIOD_US as f64).round() as u64;
-            std::fs::write(cpu.join("cpu.cfs_period_us"), CPU_PERIOD_US.to_string())?;
-            std::fs::write(cpu.join("cpu.cfs_quota_us"), quota.to_string())?;
+            let quota = cpu_quota(grant.cpu);
+            match cpu.version {
+                Version::V1 => {
+                    std::fs::write(cpu.dir.join("cpu.cfs_period_us"), CPU_PERIOD_US.to_string())?;
+                    std::fs::write(cpu.dir.join("cpu.cfs_quota_us"), quota.to_string())?;
+                }
+                Version::V2 => {
+                    std::fs::write(cpu.dir.join("cpu.max"), format!("{quota} {CPU_PERIOD_US}"))?
+                }
+            }
         }
         if let Some(pids) = &self.pids {
-            std::fs::write(pids.join("pids.max"), PIDS_MAX.to_string())?;
+            std::fs::write(pids.dir.join("pids.max"), PIDS_MAX.to_string())?;
         }
         Ok(())
     }
@@ -282,12 +630,30 @@ impl SandboxCgroup {
         let (Some(memory), Some(cpu)) = (&self.memory, &self.cpu) else {
             return Ok(None);
         };
-        let limit: u64 = read_number(&memory.join("memory.limit_in_bytes"))?;
-        let quota: i64 = read_number(&cpu.join("cpu.cfs_quota_us"))?;
-        let period: u64 = read_number(&cpu.join("cpu.cfs_period_us"))?;
-        if quota <= 0 || period == 0 {
+        let limit: u64 = match memory.version {
+            Version::V1 => read_number(&memory.dir.join("memory.limit_in_bytes"))?,
+            Version::V2 => {
+                let path = memory.dir.join("memory.max");
+                parse_max(&std::fs::read_to_string(&path)?)
+                    .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?
+                    .ok_or_else(|| io::Error::other("memory is not limited"))?
+            }
+        };
+        let (quota, period) = match cpu.version {
+            Version::V1 => {
+                let quota: i64 = read_number(&cpu.dir.join("cpu.cfs_quota_us"))?;
+                let period: u64 = read_number(&cpu.dir.join("cpu.cfs_period_us"))?;
+                (u64::try_from(quota).ok(), period)
+            }
+            Version::V2 => {
+                let path = cpu.dir.join("cpu.max");
+                parse_cpu_max(&std::fs::read_to_string(&path)?)
+                    .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?
+            }
+        };
+        let Some(quota) = quota.filter(|q| *q > 0 && period > 0) else {
             return Err(io::Error::other("cpu quota is not limited"));
-        }
+        };
         Ok(Some(Resources {
             cpu: quota as f64 / period as f64,
             memory_mb: limit / MIB,
@@ -295,25 +661,19 @@ impl SandboxCgroup {
     }
 
     /// The `cgroup.procs` files a new process writes itself into before it execs (all but
-    /// the memory controller's with defect `sandbox-memory-unenforced`).
+    /// the memory controller's with defect `sandbox-memory-unenforced`; on v2 that directory
+    /// is also the one of cpu, pids and the freezer, which the process then leaves out too).
     pub(super) fn procs_files(&self, without_memory: bool) -> Vec<CString> {
+        let memory = self.memory.as_ref().map(|c| &c.dir);
         self.dirs()
-            .filter(|d| !(without_memory && Some(*d) == self.memory.as_ref()))
+            .filter(|d| !(without_memory && Some(*d) == memory))
             .filter_map(|d| CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok())
             .collect()
     }
 
     /// Every process in the sandbox's cgroups right now.
     pub(super) fn tasks(&self) -> Vec<i32> {
-        let mut pids: Vec<i32> = self
-            .dirs()
-            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
-            .flat_map(|text| {
-                text.lines()
-                    .filter_map(|l| l.trim().parse().ok())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let mut pids: Vec<i32> = self.dirs().flat_map(|d| members(d)).collect();
         pids.sort_unstable();
         pids.dedup();
         pids
@@ -321,42 +681,65 @@ impl SandboxCgroup {
 
     /// Freezes every task; false when there is no freezer.
     pub(super) async fn freeze(&self) -> io::Result<bool> {
-        self.set_freezer("FROZEN").await
+        self.set_frozen(true).await
     }
 
     pub(super) async fn thaw(&self) -> io::Result<bool> {
-        self.set_freezer("THAWED").await
+        self.set_frozen(false).await
     }
 
-    async fn set_freezer(&self, target: &str) -> io::Result<bool> {
+    async fn set_frozen(&self, frozen: bool) -> io::Result<bool> {
         let Some(freezer) = &self.freezer else {
             return Ok(false);
         };
-        let state = freezer.join("freezer.state");
-        // FREEZING is transient: tasks in uninterruptible sleep are frozen when they leave it.
-        // The write is repeated because the kernel only retries freezing on a new write.
-        for _ in 0..200 {
-            std::fs::write(&state, target)?;
-            if std::fs::read_to_string(&state)?.trim() == target {
-                return Ok(true);
+        match freezer.version {
+            Version::V1 => {
+                let target = if frozen { "FROZEN" } else { "THAWED" };
+                let state = freezer.dir.join("freezer.state");
+                // FREEZING is transient: tasks in uninterruptible sleep are frozen when they
+                // leave it. The write is repeated because the kernel only retries freezing on
+                // a new write.
+                for _ in 0..200 {
+                    std::fs::write(&state, target)?;
+                    if std::fs::read_to_string(&state)?.trim() == target {
+                        return Ok(true);
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(io::Error::other(format!("cgroup did not reach {target}")))
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            Version::V2 => {
+                // The kernel reports the state reached in `cgroup.events` (`frozen 1`) once
+                // every task has stopped.
+                std::fs::write(
+                    freezer.dir.join("cgroup.freeze"),
+                    if frozen { "1" } else { "0" },
+                )?;
+                let events = freezer.dir.join("cgroup.events");
+                for _ in 0..200 {
+                    if events_frozen(&std::fs::read_to_string(&events)?) == Some(frozen) {
+                        return Ok(true);
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(io::Error::other(format!(
+                    "cgroup did not reach frozen {}",
+                    u8::from(frozen)
+                )))
+            }
         }
-        Err(io::Error::other(format!("cgroup did not reach {target}")))
     }
 
     /// SIGKILLs every task until the cgroups are empty (a task may fork while it is killed).
     pub(super) async fn kill_all(&self) {
         for _ in 0..500 {
-            let tasks = self.tasks();
-            if tasks.is_empty() {
+            if self.tasks().is_empty() {
                 return;
             }
-            for pid in tasks {
-                // SAFETY: kill(2) with a pid read from our own cgroup; no memory is involved.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+            for dir in self.dirs() {
+                kill_members(dir);
             }
-            // A frozen task only dies once thawed.
+            // A frozen task only dies once thawed (v1; v2 lets SIGKILL through).
             let _ = self.thaw().await;
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -386,13 +769,9 @@ impl SandboxCgroup {
     /// Best-effort synchronous teardown (error paths and `Drop`): kill, thaw, remove.
     pub(super) fn remove_now(&self) {
         for _ in 0..100 {
-            let tasks = self.tasks();
-            for pid in &tasks {
-                // SAFETY: as in `kill_all`.
-                unsafe { libc::kill(*pid, libc::SIGKILL) };
-            }
-            if let Some(freezer) = &self.freezer {
-                let _ = std::fs::write(freezer.join("freezer.state"), "THAWED");
+            for dir in self.dirs() {
+                kill_members(dir);
+                thaw_now(dir);
             }
             let removed = self.dirs().all(|d| match std::fs::remove_dir(d) {
                 Ok(()) => true,
@@ -412,9 +791,50 @@ impl SandboxCgroup {
     }
 }
 
+/// The CFS quota of `cpu` cores per `CPU_PERIOD_US`.
+fn cpu_quota(cpu: f64) -> u64 {
+    (cpu * CPU_PERIOD_US as f64).round() as u64
+}
+
+/// A v2 limit file (`memory.max`, `pids.max`): a number, or `None` for `max` (no limit).
+fn parse_max(text: &str) -> Result<Option<u64>, String> {
+    match text.trim() {
+        "max" => Ok(None),
+        value => value
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("unexpected content {value:?}")),
+    }
+}
+
+/// `cpu.max`: `<quota> <period>` in microseconds, the quota `max` when not limited.
+fn parse_cpu_max(text: &str) -> Result<(Option<u64>, u64), String> {
+    let mut fields = text.split_whitespace();
+    let (Some(quota), Some(period), None) = (fields.next(), fields.next(), fields.next()) else {
+        return Err(format!("unexpected content {:?}", text.trim()));
+    };
+    let quota = parse_max(quota)?;
+    let period = period
+        .parse()
+        .map_err(|_| format!("unexpected period {period:?}"))?;
+    Ok((quota, period))
+}
+
+/// The `frozen` line of `cgroup.events`, when there is one.
+fn events_frozen(text: &str) -> Option<bool> {
+    text.lines().find_map(|line| match line.trim() {
+        "frozen 1" => Some(true),
+        "frozen 0" => Some(false),
+        _ => None,
+    })
+}
+
 fn read_number<T: std::str::FromStr>(path: &Path) -> io::Result<T> {
     let text = std::fs::read_to_string(path)?;
     text.trim()
         .parse()
         .map_err(|_| io::Error::other(format!("unexpected content in {}", path.display())))
 }
+
+#[cfg(test)]
+pub(super) mod tests;

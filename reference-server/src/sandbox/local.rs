@@ -36,9 +36,11 @@ const EXIT_RECORD_WAIT: Duration = Duration::from_secs(10);
 /// What this machine lets a provider enforce, detected at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Isolation {
-    /// cgroup v1 memory/cpu/pids controllers are writable: limits are enforced and read back.
+    /// memory/cpu/pids controllers (cgroup v1 or v2) are writable: limits are enforced and
+    /// read back.
     pub cgroups: bool,
-    /// The cgroup v1 freezer is writable: pause freezes the cgroup (else SIGSTOP the groups).
+    /// A freezer (cgroup v1 `freezer.state` or v2 `cgroup.freeze`) is writable: pause freezes
+    /// the cgroup (else SIGSTOP the groups).
     pub freezer: bool,
 }
 
@@ -52,7 +54,8 @@ pub struct IsolationReport {
     pub uid: Option<u32>,
     /// `loopback`: a network namespace with only a loopback interface; `host`: none.
     pub network: &'static str,
-    /// `v1` when the kernel enforces the limits through cgroup v1 controllers, else `None`.
+    /// The cgroup hierarchy the kernel enforces `enforced` through: `v1`, `v2`, or `hybrid`
+    /// (some controllers on each), else `None`.
     pub cgroup: Option<&'static str>,
     /// What the kernel enforces per sandbox: `memory`, `cpu`, `pids`, `freezer`.
     pub enforced: Vec<&'static str>,
@@ -261,13 +264,7 @@ impl LocalProvider {
     /// The isolation of this provider's sandboxes, as the capabilities advertise it.
     pub fn isolation_report(&self) -> IsolationReport {
         let limits = self.cgroups.enforces_limits();
-        let mut enforced = Vec::new();
-        if limits {
-            enforced.extend(["memory", "cpu", "pids"]);
-        }
-        if self.cgroups.has_freezer() {
-            enforced.push("freezer");
-        }
+        let enforced = self.cgroups.enforced();
         let (namespaces, uid, network, unavailable) = match &self.namespacer {
             Ok(_) => (
                 isolation::NAMESPACES.to_vec(),
@@ -281,7 +278,7 @@ impl LocalProvider {
             namespaces,
             uid,
             network,
-            cgroup: (limits || self.cgroups.has_freezer()).then_some("v1"),
+            cgroup: self.cgroups.version(),
             enforced,
             pids_max: limits.then_some(super::cgroup::PIDS_MAX),
             unavailable,

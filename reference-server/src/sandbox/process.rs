@@ -345,7 +345,7 @@ pub(super) async fn record_lost(log: &EventLog, record: &Record, retention: Dura
 }
 
 /// Moves the calling process into the cgroup whose `cgroup.procs` is `path` (`0` = itself).
-fn join_cgroup(path: &CString) -> io::Result<()> {
+pub(super) fn join_cgroup(path: &CString) -> io::Result<()> {
     // SAFETY: plain syscalls on a NUL-terminated path and a static buffer.
     unsafe {
         let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);

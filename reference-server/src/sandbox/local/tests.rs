@@ -46,6 +46,21 @@ async fn fixture_with(
     }
 }
 
+/// A provider over a fresh data dir with the given cgroups.
+async fn fixture_with_cgroups(cgroups: Cgroups) -> Fixture {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = Config::for_tests(tmp.path().to_owned());
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(None).await.unwrap());
+    let log = EventLog::new(store.clone());
+    let provider =
+        LocalProvider::with_cgroups(&config.providers[0], &config, log, cgroups).unwrap();
+    Fixture {
+        provider,
+        store,
+        _tmp: tmp,
+    }
+}
+
 async fn fixture() -> Fixture {
     fixture_with(Defects::none(), true, |_| {}).await
 }
@@ -400,6 +415,49 @@ async fn the_memory_grant_is_enforced() {
         assert_eq!(big_record.body["signal"], "KILL");
     }
     f.provider.destroy(&local).await.unwrap();
+}
+
+/// On cgroup v2 (a fake unified hierarchy: plain files standing in for the kernel's) the
+/// provider writes the grant to `memory.max` and `cpu.max`, reads back what those files hold
+/// rather than what it granted, and advertises `cgroup: v2` with what is enforced.
+#[tokio::test]
+async fn on_v2_the_grant_is_read_back_from_the_kernel_files_and_advertised() {
+    use super::super::cgroup::Layout;
+    use super::super::cgroup::tests::{INSTANCE, fake_v2_chain};
+    let mount = tempfile::tempdir().unwrap();
+    let provider_dir = fake_v2_chain(mount.path(), "srv", "cpu memory pids");
+    let cgroups = Cgroups::detect_in(&Layout::at(mount.path()), "0::/srv\n", "local", INSTANCE);
+    let f = fixture_with_cgroups(cgroups).await;
+    let report = f.provider.isolation_report();
+    assert_eq!(report.cgroup, Some("v2"));
+    assert_eq!(report.enforced, ["memory", "cpu", "pids", "freezer"]);
+    assert_eq!(report.pids_max, Some(4096));
+
+    let local = f.provider.allocate_local_id(IdKind::Sandbox);
+    let granted = f
+        .provider
+        .create(&local, &res(0.3, 100), None)
+        .await
+        .unwrap();
+    assert_eq!(granted, res(0.5, 128));
+    let dir = provider_dir.join(&local);
+    let read = |file: &str| std::fs::read_to_string(dir.join(file)).unwrap();
+    assert_eq!(read("memory.max"), "134217728");
+    assert_eq!(read("cpu.max"), "50000 100000");
+    assert_eq!(read("pids.max"), "4096");
+    assert_eq!(f.provider.read_resources(&local).await.unwrap(), granted);
+    // The kernel's files, not the grant file, are the truth.
+    std::fs::write(dir.join("memory.max"), "268435456\n").unwrap();
+    std::fs::write(dir.join("cpu.max"), "200000 100000\n").unwrap();
+    assert_eq!(
+        f.provider.read_resources(&local).await.unwrap(),
+        res(2.0, 256)
+    );
+    std::fs::write(dir.join("memory.max"), "max\n").unwrap();
+    assert!(
+        f.provider.read_resources(&local).await.is_err(),
+        "no limit is no grant"
+    );
 }
 
 #[tokio::test]
