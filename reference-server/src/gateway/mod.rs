@@ -7,8 +7,10 @@
 //! - `artifacts`: the files a turn leaves below `artifacts/`, copied when it ends.
 //! - [`config`]: worker binary, model endpoint, lease and cancellation timings.
 //! - `model`: the stored and wire shapes of sessions, submissions and operations.
-//! - `core`: the engine: per-session serialization, transitions with their events, worker
-//!   supervision, lease expiry, uncertain outcomes and delete cleanup.
+//! - `core`: the engine, one type in parts: per-session serialization, persistence and
+//!   transitions (`core/mod.rs`), views and artifacts (`views`), the worker launcher
+//!   (`launcher`), the supervisor (`supervisor`) and the delete and cleanup state machine
+//!   (`cleanup`).
 //! - `sessions`, `submissions`, `events`: the `/v1` handlers.
 //! - `bridge`: the private bridge and the session test controls.
 //! - [`signing`]: the bridge signature, shared with the worker.
