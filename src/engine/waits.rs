@@ -237,6 +237,27 @@ mod tests {
         assert!(waits(&s, &caps(3600, 300), false).is_empty());
     }
 
+    /// Time passing is a wait where the runner waits it out, and none where it moves the
+    /// target's clock instead.
+    #[test]
+    fn advance_clock_is_a_wait_unless_the_clock_moves() {
+        let s = scenario("  - advance_clock: {s: retention.result_s + 1}\n");
+        assert_eq!(
+            waits(&s, &caps(3600, 300), false),
+            vec![Wait {
+                step: "steps[0] advance_clock".into(),
+                what: "advance_clock retention.result_s + 1 = 3601 s".into(),
+                seconds: 3601
+            }]
+        );
+        assert!(over_budget(&s, &caps(3600, 300), false, DEFAULT_MAX_WAIT).is_some());
+        assert!(waits(&s, &caps(3600, 300), true).is_empty());
+        assert_eq!(
+            over_budget(&s, &caps(3600, 300), true, DEFAULT_MAX_WAIT),
+            None
+        );
+    }
+
     #[test]
     fn budgets_parse_and_print() {
         assert_eq!(parse_max_wait("none"), Ok(None));
