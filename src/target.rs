@@ -728,6 +728,22 @@ impl Target {
         self.control.is_some() || self.launcher.is_some() || self.service.is_some()
     }
 
+    /// Whether `advance_clock` moves this target's clock (TC-9.12) rather than waiting: on a
+    /// deployment started for the one scenario, which advertises `test_clock`, with the
+    /// admin token. A clock shared with other scenarios is never moved.
+    pub fn clock_movable(&self) -> bool {
+        self.control.is_some() && self.capabilities.has("test_clock") && self.tokens.admin.is_some()
+    }
+
+    /// Whether a scenario that moves the clock gets a movable clock: here, or on a
+    /// deployment of its own that the runner starts like this one.
+    pub fn clock_movable_here_or_own(&self) -> bool {
+        self.clock_movable()
+            || (self.launcher.is_some()
+                && self.capabilities.has("test_clock")
+                && self.tokens.admin.is_some())
+    }
+
     /// Whether a scenario requiring `database_control` can run here.
     pub fn database_controllable(&self) -> bool {
         self.control.as_ref().is_some_and(Control::has_database)

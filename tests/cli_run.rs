@@ -802,7 +802,7 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
         result_expires["reason"]
             .as_str()
             .unwrap()
-            .contains("retention.result_s + 5 = 3605 s"),
+            .contains("advance_clock retention.result_s + 1 = 3601 s"),
         "{result_expires}"
     );
     let all = report["profiles"]
@@ -997,4 +997,92 @@ async fn e2b_profile_is_conformant_on_a_separate_server_and_a_defect_is_not() {
     let (verdict, ids) = verdict_and_ids(&broken);
     assert_eq!(verdict, "non-conformant");
     assert_eq!(ids, ["E2B-OWN-001"]);
+}
+
+/// `advance_clock` moves a target's clock only on a deployment the runner started for the one
+/// scenario: against a `--target` URL (whose clock other clients share, though it advertises
+/// `test_clock`) it waits the time out. SSE-EXPIRE-001 passes there on real time, against a
+/// server whose event retention is three seconds, and the server's clock was never moved.
+#[tokio::test]
+async fn advance_clock_waits_real_time_on_a_shared_target() {
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        extra_args: vec!["--retention".into(), "events_s=3".into()],
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("catalog");
+    let file = "retention/expired-cursor.yaml";
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    std::fs::create_dir_all(catalog.join("retention")).unwrap();
+    std::fs::copy(source.join(file), catalog.join(file)).unwrap();
+    let out = dir.path().join("out");
+    let (owner, other, admin) = (
+        "SANDSPEC_CLI_REALTIME_OWNER",
+        "SANDSPEC_CLI_REALTIME_OTHER",
+        "SANDSPEC_CLI_REALTIME_ADMIN",
+    );
+    let admin_token = server.tokens.admin.clone().unwrap();
+    // SAFETY: set once, before any thread reads them; the names are unique to this test.
+    unsafe {
+        std::env::set_var(owner, &server.tokens.owner);
+        std::env::set_var(other, &server.tokens.other);
+        std::env::set_var(admin, &admin_token);
+    }
+    let client = sandspec::target::build_client(None).unwrap();
+    let caps: serde_json::Value = client
+        .get(format!("{}/v1/capabilities", server.url))
+        .bearer_auth(&server.tokens.owner)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        caps["features"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("test_clock")),
+        "{caps}"
+    );
+    let args = Wrapper::try_parse_from([
+        "run",
+        "--target",
+        &server.url,
+        "--owner-token-env",
+        owner,
+        "--other-token-env",
+        other,
+        "--admin-token-env",
+        admin,
+        "--scenarios",
+        &catalog.display().to_string(),
+        "--out",
+        &out.display().to_string(),
+    ])
+    .unwrap();
+    sandspec::cli::run(args.run).await;
+    let receipt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let scenarios = receipt["predicate"]["scenarios"].as_array().unwrap();
+    assert_eq!(scenarios.len(), 1);
+    let run = &scenarios[0];
+    assert_eq!(run["id"], "SSE-EXPIRE-001");
+    assert_eq!(run["outcome"], "pass", "{run}");
+    // It waited the 3 s retention and the step's extra second in real time.
+    assert!(run["duration_ms"].as_u64().unwrap() >= 4000, "{run}");
+    // Nothing moved the server's clock: the first move is the whole offset.
+    let moved: serde_json::Value = client
+        .post(format!("{}/v1/test/clock", server.url))
+        .bearer_auth(&admin_token)
+        .json(&serde_json::json!({"advance_ms": 1}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(moved["offset_ms"], 1, "{moved}");
 }

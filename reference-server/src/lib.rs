@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //!
+//! - [`clock`]: the clock expiry is decided by (real time, moved forward by a test control).
 //! - [`config`]: everything the server is started with (principals, providers, limits,
 //!   retention, the store, test controls, defects).
 //! - [`defects`]: the negative controls: realistic bugs the suite must catch.
@@ -22,6 +23,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod defects;
 pub mod domain;

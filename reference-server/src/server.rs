@@ -299,8 +299,10 @@ fn load_tls(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// Runs the reapers every `limits.reaper_interval_ms` until aborted.
+/// Runs the reapers every `limits.reaper_interval_ms`, and at once when the test clock moves
+/// (TC-9.12), until aborted.
 async fn reap_forever(state: AppState) {
+    let mut moved = crate::clock::subscribe();
     let mut tick = tokio::time::interval(Duration::from_millis(
         state.config.limits.reaper_interval_ms.max(10),
     ));
@@ -308,7 +310,10 @@ async fn reap_forever(state: AppState) {
     // Warn once when passes start failing (an unreachable store), not on every tick.
     let mut failing = false;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            Ok(()) = moved.changed() => {}
+        }
         match reap_once(&state).await {
             Ok(()) if failing => {
                 failing = false;

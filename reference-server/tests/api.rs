@@ -85,7 +85,8 @@ async fn capabilities_describe_providers_features_limits_and_retention() {
             "sessions",
             "fixture_models",
             "test_controls",
-            "expiry_hold"
+            "expiry_hold",
+            "test_clock"
         ])
     );
     assert_eq!(caps["limits"]["max_streams_per_principal"], 3);
@@ -2136,6 +2137,44 @@ async fn shutdown_ends_open_streams_and_every_sandbox_process() {
         state.is_empty() || state.contains(") Z "),
         "process {pid} still runs: {state}"
     );
+}
+
+/// The test clock (TC-9.12) is the admin's alone and refuses bad moves with a problem body.
+/// (Moving it is tested in `tests/clock.rs`: the clock is one per process, and this binary's
+/// other tests share the process.)
+#[tokio::test]
+async fn the_test_clock_is_admin_only_and_refuses_bad_moves() {
+    let app = spawn_app(|_| {}).await;
+    let digest = app.digest().await;
+    app.post(ALICE, "/v1/test/clock", json!({"advance_ms": 1000}))
+        .await
+        .problem(403, "permission_denied");
+    app.send(
+        app.request(Some("no-such-token"), Method::POST, "/v1/test/clock")
+            .json(&json!({"advance_ms": 1000})),
+    )
+    .await
+    .problem(401, "unauthenticated");
+    for bad in [
+        json!({"advance_ms": 0}),
+        json!({"advance_ms": 86_400_001}),
+        json!({"advance_ms": -5}),
+        json!({"advance_ms": "60s"}),
+    ] {
+        let refused = app.post(ADMIN, "/v1/test/clock", bad.clone()).await;
+        let problem = refused.problem(400, "invalid_argument");
+        if bad["advance_ms"].is_u64() {
+            assert_eq!(problem["param"], "advance_ms", "{bad}");
+        }
+    }
+    app.post(ADMIN, "/v1/test/clock", json!({"advance": 5}))
+        .await
+        .problem(400, "invalid_argument");
+    assert_eq!(app.digest().await, digest, "a refused move changes nothing");
+    let off = spawn_app(|c| c.test_controls = false).await;
+    off.post(ADMIN, "/v1/test/clock", json!({"advance_ms": 1000}))
+        .await
+        .problem(404, "not_found");
 }
 
 #[tokio::test]

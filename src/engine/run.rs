@@ -99,8 +99,17 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     let database_control = requires(scenario, "database_control");
     // A launched service is the deployment the runner controls already (its scenarios are
     // `exclusive`).
-    if (server_control || database_control) && target.control.is_none() && !target.can_restart() {
-        return match target.start_controlled(database_control).await {
+    // So does one that moves the target's clock (TC-9.12): every scenario on that deployment
+    // would see the time pass. On PostgreSQL its database is of its own too, so that its
+    // reapers expire nothing of the shared database.
+    let clock =
+        moves_clock(scenario) && target.control.is_none() && target.clock_movable_here_or_own();
+    if (server_control || database_control || clock)
+        && target.control.is_none()
+        && !target.can_restart()
+    {
+        let database = database_control || (clock && target.database_controllable());
+        return match target.start_controlled(database).await {
             Some(Ok(own)) => {
                 let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;
                 run.duration_ms = ms(started.elapsed());
@@ -211,6 +220,15 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     run
 }
 
+/// Whether the scenario lets time pass with `advance_clock`.
+fn moves_clock(scenario: &Scenario) -> bool {
+    scenario
+        .steps
+        .iter()
+        .chain(&scenario.cleanup)
+        .any(|s| matches!(s, crate::scenario::Step::AdvanceClock(_)))
+}
+
 fn requires(scenario: &Scenario, capability: &str) -> bool {
     scenario.requires.iter().any(|r| r.value == capability)
 }
@@ -266,7 +284,8 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
         return Some("no admin token (--admin-token-env)".into());
     }
     if let Some(budget) = target.wait_budget {
-        return super::waits::over_budget(scenario, &target.capabilities, budget);
+        let clock_movable = moves_clock(scenario) && target.clock_movable_here_or_own();
+        return super::waits::over_budget(scenario, &target.capabilities, clock_movable, budget);
     }
     None
 }

@@ -14,6 +14,7 @@ use super::context::{Ctx, StepError};
 use crate::scenario::{Expect, Step};
 
 mod absent;
+mod clock;
 mod connect;
 mod digest;
 mod fault;
@@ -69,6 +70,7 @@ macro_rules! dispatch {
             }
             Step::Parallel($k) => $body,
             Step::Sleep($k) => $body,
+            Step::AdvanceClock($k) => $body,
             Step::Absent($k) => $body,
             Step::Connect($k) => $body,
             Step::Mcp($k) => $body,

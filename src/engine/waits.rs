@@ -33,8 +33,9 @@ pub struct Wait {
 
 /// Every advertised wait of `scenario` against a target with these capabilities, in order.
 /// A deadline over a number the target does not advertise is left out (the step fails when
-/// it runs).
-pub fn waits(scenario: &Scenario, caps: &Capabilities) -> Vec<Wait> {
+/// it runs). An `advance_clock` is a wait unless `clock_movable` (the runner moves the
+/// target's clock instead, TC-9.12).
+pub fn waits(scenario: &Scenario, caps: &Capabilities, clock_movable: bool) -> Vec<Wait> {
     let vars = Vars::new("", caps, "");
     let mut out = Vec::new();
     let steps = scenario
@@ -58,6 +59,16 @@ pub fn waits(scenario: &Scenario, caps: &Capabilities) -> Vec<Wait> {
                     what: format!("sleep {} ms", s.ms.value),
                     seconds: s.ms.value.div_ceil(1000),
                 });
+                continue;
+            }
+            Step::AdvanceClock(a) => {
+                if let (false, Ok(seconds)) = (clock_movable, vars.num(&a.s)) {
+                    out.push(Wait {
+                        step: step_label,
+                        what: format!("advance_clock {} = {seconds} s", a.s.expr),
+                        seconds: u64::try_from(seconds).unwrap_or(0),
+                    });
+                }
                 continue;
             }
             Step::Poll(p) => Some(&p.within_s),
@@ -88,8 +99,13 @@ fn advertised(n: &NumExpr) -> bool {
 }
 
 /// Why the scenario is over `budget`, if it is: the total and each wait that made it.
-pub fn over_budget(scenario: &Scenario, caps: &Capabilities, budget: Duration) -> Option<String> {
-    let waits = waits(scenario, caps);
+pub fn over_budget(
+    scenario: &Scenario,
+    caps: &Capabilities,
+    clock_movable: bool,
+    budget: Duration,
+) -> Option<String> {
+    let waits = waits(scenario, caps, clock_movable);
     let total: u64 = waits.iter().map(|w| w.seconds).sum();
     if total <= budget.as_secs() {
         return None;
@@ -174,7 +190,7 @@ mod tests {
   - sse: {path: /v1/sandboxes, within_s: 30}
 ",
         );
-        let fast = waits(&s, &caps(3, 6));
+        let fast = waits(&s, &caps(3, 6), false);
         assert_eq!(
             fast,
             vec![
@@ -195,8 +211,8 @@ mod tests {
                 },
             ]
         );
-        assert_eq!(over_budget(&s, &caps(3, 6), DEFAULT_MAX_WAIT), None);
-        let reason = over_budget(&s, &caps(3600, 300), DEFAULT_MAX_WAIT).unwrap();
+        assert_eq!(over_budget(&s, &caps(3, 6), false, DEFAULT_MAX_WAIT), None);
+        let reason = over_budget(&s, &caps(3600, 300), false, DEFAULT_MAX_WAIT).unwrap();
         assert_eq!(
             reason,
             "over the wait budget: advertised waits of 3912 s exceed --max-wait 2m \
@@ -205,7 +221,7 @@ mod tests {
         );
         // Exactly at the budget still runs.
         assert_eq!(
-            over_budget(&s, &caps(3600, 300), Duration::from_secs(3912)),
+            over_budget(&s, &caps(3600, 300), false, Duration::from_secs(3912)),
             None
         );
     }
@@ -218,7 +234,28 @@ mod tests {
       request: {method: GET, path: /v1/sandboxes}
 ",
         );
-        assert!(waits(&s, &caps(3600, 300)).is_empty());
+        assert!(waits(&s, &caps(3600, 300), false).is_empty());
+    }
+
+    /// Time passing is a wait where the runner waits it out, and none where it moves the
+    /// target's clock instead.
+    #[test]
+    fn advance_clock_is_a_wait_unless_the_clock_moves() {
+        let s = scenario("  - advance_clock: {s: retention.result_s + 1}\n");
+        assert_eq!(
+            waits(&s, &caps(3600, 300), false),
+            vec![Wait {
+                step: "steps[0] advance_clock".into(),
+                what: "advance_clock retention.result_s + 1 = 3601 s".into(),
+                seconds: 3601
+            }]
+        );
+        assert!(over_budget(&s, &caps(3600, 300), false, DEFAULT_MAX_WAIT).is_some());
+        assert!(waits(&s, &caps(3600, 300), true).is_empty());
+        assert_eq!(
+            over_budget(&s, &caps(3600, 300), true, DEFAULT_MAX_WAIT),
+            None
+        );
     }
 
     #[test]

@@ -206,6 +206,9 @@ pub enum Step {
     ExpectSnapshotUnchanged(SinceName),
     Parallel(Parallel),
     Sleep(Sleep),
+    /// Lets time pass on the target: moves its test clock (TC-9.12) on a deployment of the
+    /// scenario's own, else waits it out.
+    AdvanceClock(AdvanceClock),
     Absent(Absent),
     Connect(Connect),
     Mcp(Mcp),
@@ -263,6 +266,7 @@ impl Step {
             Step::ExpectDigestUnchanged(s) | Step::ExpectSnapshotUnchanged(s) => s.name.as_deref(),
             Step::Snapshot(s) => s.name.as_deref(),
             Step::Parallel(p) => p.name.as_deref(),
+            Step::AdvanceClock(a) => a.name.as_deref(),
             Step::Absent(a) => a.name.as_deref(),
             Step::KillServer(f)
             | Step::RestartServer(f)
@@ -289,6 +293,7 @@ impl Step {
             Step::ExpectSnapshotUnchanged(_) => "expect_snapshot_unchanged",
             Step::Parallel(_) => "parallel",
             Step::Sleep(_) => "sleep",
+            Step::AdvanceClock(_) => "advance_clock",
             Step::Absent(_) => "absent",
             Step::Connect(_) => "connect",
             Step::Mcp(_) => "mcp",
@@ -734,6 +739,18 @@ pub struct Restart {
 #[serde(deny_unknown_fields)]
 pub struct Sleep {
     pub ms: Located<u64>,
+}
+
+/// Time passing on the target's clock: `s` seconds (a number or an expression over advertised
+/// limits, `retention.events_s + 1`). On a deployment the runner started for the scenario
+/// alone, and which advertises `test_clock`, the runner moves the target's clock (TC-9.12);
+/// anywhere else it waits the time out, as a `sleep` would.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdvanceClock {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub s: NumExpr,
 }
 
 /// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or

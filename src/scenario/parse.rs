@@ -608,6 +608,7 @@ impl Checker<'_> {
                     );
                 }
             }
+            Step::AdvanceClock(a) => self.num(&a.s, scope, ctx),
             Step::Restart(r) => {
                 if !ctx.requires.contains("restart") {
                     self.err(

@@ -47,7 +47,7 @@ pub async fn capabilities(
         features.push("fixture_models");
     }
     if state.config.test_controls && state.config.admin_token.is_some() {
-        features.extend(["test_controls", "expiry_hold"]);
+        features.extend(["test_controls", "expiry_hold", "test_clock"]);
     }
     let l = &state.config.limits;
     let r = &state.config.retention;
@@ -128,6 +128,42 @@ pub async fn expiry_hold(
     }
     state.expiry_hold.set(Duration::from_secs(hold_s)).await;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdvanceClock {
+    advance_ms: u64,
+}
+
+/// Longest move one request may ask for (TC-9.12): a day.
+const MAX_ADVANCE_MS: u64 = 86_400_000;
+
+/// How far ahead of real time the clock may be moved in all: a year.
+const MAX_OFFSET_MS: u64 = 366 * MAX_ADVANCE_MS;
+
+/// TC-9.12: moves the clock expiry is decided by forward by `advance_ms`, and wakes the
+/// background passes that act on what came due.
+pub async fn advance_clock(_admin: Admin, body: Json<AdvanceClock>) -> Result<Response, ApiError> {
+    let advance_ms = body.value.advance_ms;
+    if !(1..=MAX_ADVANCE_MS).contains(&advance_ms) {
+        return Err(ApiError::invalid(
+            "advance_ms",
+            format!("advance_ms must be from 1 to {MAX_ADVANCE_MS}"),
+        ));
+    }
+    let ahead_ms = u64::try_from(crate::clock::offset().as_millis()).unwrap_or(u64::MAX);
+    if ahead_ms.saturating_add(advance_ms) > MAX_OFFSET_MS {
+        return Err(ApiError::invalid(
+            "advance_ms",
+            format!(
+                "the clock is {ahead_ms} ms ahead already; it may be at most {MAX_OFFSET_MS} ms ahead"
+            ),
+        ));
+    }
+    let offset = crate::clock::advance(Duration::from_millis(advance_ms));
+    let offset_ms = u64::try_from(offset.as_millis()).unwrap_or(u64::MAX);
+    Ok(axum::Json(json!({ "offset_ms": offset_ms })).into_response())
 }
 
 #[derive(Debug, Deserialize)]

@@ -305,7 +305,7 @@ pub async fn output(
     };
     let rec = lookup::qualified_in(&state, Kind::Process, scope, &id).await?;
     let process = process_of(&rec)?;
-    if process.output_expired {
+    if output_gone(&state, &process) {
         return Err(ApiError::OutputExpired);
     }
     let after = match query.get("after") {
@@ -406,6 +406,15 @@ pub async fn output(
     Ok(axum::Json(out).into_response())
 }
 
+/// Whether the process's output is past its retention: marked expired by the reaper, or due
+/// on the server's clock already (decided here, so that a read right after the test clock
+/// moved (TC-9.12) does not depend on the reaper having run).
+fn output_gone(state: &AppState, process: &Process) -> bool {
+    process.output_expired
+        || (process.output_expires_at.is_some_and(|t| now() >= t)
+            && !state.config.defects.has(Defect::OutputNeverExpires))
+}
+
 /// Whether the last event of a process's log is its `exit`.
 async fn exit_logged(state: &AppState, stream: &str) -> Result<bool, ApiError> {
     let bounds = state.store.stream_bounds(stream).await?;
@@ -428,7 +437,7 @@ pub async fn events(
 ) -> Result<Response, ApiError> {
     sse::check_accept(&headers)?;
     let rec = lookup::qualified(&state, Kind::Process, &caller.principal, &id).await?;
-    if process_of(&rec)?.output_expired {
+    if output_gone(&state, &process_of(&rec)?) {
         return Err(ApiError::OutputExpired);
     }
     let cursor = sse::parse_cursor(&headers, query.get("after"))?;

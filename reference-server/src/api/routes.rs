@@ -58,6 +58,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{id}/previews", post(previews::create))
         .route("/test/digest", get(meta::digest))
         .route("/test/expiry_hold", post(meta::expiry_hold))
+        .route("/test/clock", post(meta::advance_clock))
         .route(
             "/test/providers/{name}/create_delay",
             post(meta::create_delay),

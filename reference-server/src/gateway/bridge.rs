@@ -182,7 +182,7 @@ pub async fn take_lease(
     gw.save_session(&mut loaded).await?;
     {
         let mut live = rt.live();
-        live.lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
+        live.lease_expires = Some(crate::clock::instant() + gw.cfg.lease_ttl);
         live.starts_without_lease = 0;
     }
     tracing::debug!(session = %sid, worker = %req.worker_id, generation, "lease taken");
@@ -211,7 +211,7 @@ pub async fn heartbeat(
 ) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
     let (_guard, _) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
-    rt.live().lease_expires = Some(tokio::time::Instant::now() + gw.cfg.lease_ttl);
+    rt.live().lease_expires = Some(crate::clock::instant() + gw.cfg.lease_ttl);
     let active = gw.active_submission(&sid).await?;
     let cancel_submission = active
         .as_ref()

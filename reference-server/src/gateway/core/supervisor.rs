@@ -13,7 +13,10 @@ impl Gateway {
         let mut last_purge = Instant::now();
         let mut foreign = self.state.store.foreign_appends();
         let mut next_scan = Instant::now() + self.cfg.supervise_interval;
+        // The test clock moving (TC-9.12) starts a pass with retention at once.
+        let mut moved = crate::clock::subscribe();
         loop {
+            let mut clock_moved = false;
             let appended = async {
                 match foreign.as_mut() {
                     Some(rx) => rx.recv().await.ok(),
@@ -23,6 +26,7 @@ impl Gateway {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep_until(next_scan) => {}
+                Ok(()) = moved.changed() => clock_moved = true,
                 Some((stream, _)) = appended => {
                     if let Some(sid) = stream.strip_prefix("session:")
                         && let Err(e) = self.supervise(sid).await
@@ -45,7 +49,7 @@ impl Gateway {
                     continue;
                 }
             };
-            let purge = last_purge.elapsed() >= PURGE_EVERY;
+            let purge = clock_moved || last_purge.elapsed() >= PURGE_EVERY;
             if purge {
                 last_purge = Instant::now();
                 // Retention waits while the test control holds expiry (TC-9.11).
@@ -210,7 +214,10 @@ impl Gateway {
         }
         // A lease not renewed in time (unless the test control holds expiry, TC-9.11).
         let pass = self.state.expiry_hold.pass().await;
-        let expired = rt.live().lease_expires.is_some_and(|t| Instant::now() >= t)
+        let expired = rt
+            .live()
+            .lease_expires
+            .is_some_and(|t| crate::clock::instant() >= t)
             && !self.state.config.defects.has(Defect::LeaseNeverExpires)
             && pass.is_some();
         if expired && !loaded.doc.lease_revoked {
@@ -255,7 +262,10 @@ impl Gateway {
         // Queued work and no worker: start one.
         // A worker holding an unexpired lease is live even if this process did not start it.
         let leased = !loaded.doc.lease_revoked
-            && rt.live().lease_expires.is_some_and(|t| Instant::now() < t);
+            && rt
+                .live()
+                .lease_expires
+                .is_some_and(|t| crate::clock::instant() < t);
         let idle = rt.worker().is_none() && !leased;
         let creating = rt.creating();
         if loaded.doc.state == "active"
