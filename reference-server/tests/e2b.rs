@@ -1480,10 +1480,27 @@ async fn sigkill_ends_a_term_ignoring_shell(app: &TestApp) -> bool {
         app,
         &id,
         &token,
-        "trap '' TERM; while :; do sleep 0.2; done",
+        "trap '' TERM; : > trapped; while :; do sleep 0.2; done",
         json!({}),
     )
     .await;
+    // The signal goes only once the shell ignores TERM: sent before, a TERM (the defect's)
+    // would end it as surely as a KILL.
+    let mut trapped = false;
+    for _ in 0..100 {
+        let rb = app
+            .client
+            .get(app.url("/files?path=trapped"))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "49983")
+            .header("X-Access-Token", &token);
+        if rb.send().await.expect("send").status() == 200 {
+            trapped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(trapped, "the shell never set its TERM trap");
     unary(
         app,
         &id,
