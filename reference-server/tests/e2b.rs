@@ -75,6 +75,15 @@ fn envd(app: &TestApp, sandbox: &str, token: Option<&str>, path: &str) -> reqwes
     rb
 }
 
+/// A `GET` to envd, with the sandbox's access token.
+fn envd_get(app: &TestApp, sandbox: &str, token: &str, path: &str) -> reqwest::RequestBuilder {
+    app.client
+        .get(app.url(path))
+        .header("E2b-Sandbox-Id", sandbox)
+        .header("E2b-Sandbox-Port", "49983")
+        .header("X-Access-Token", token)
+}
+
 async fn unary(app: &TestApp, sandbox: &str, token: &str, method: &str, body: Value) -> Reply {
     let rb = envd(app, sandbox, Some(token), &format!("/{method}"))
         .header("Content-Type", "application/json")
@@ -992,12 +1001,7 @@ async fn binary_round_trip(app: &TestApp) -> bool {
         written,
         json!([{"name": "all.dat", "type": "file", "path": "/home/user/bin/all.dat"}])
     );
-    let read = app
-        .client
-        .get(app.url("/files?path=bin/all.dat"))
-        .header("E2b-Sandbox-Id", &id)
-        .header("E2b-Sandbox-Port", "49983")
-        .header("X-Access-Token", &token);
+    let read = envd_get(app, &id, &token, "/files?path=bin/all.dat");
     let read = Reply::read(read.send().await.unwrap()).await;
     assert_eq!(read.status.as_u16(), 200);
     read.body.as_ref() == bytes.as_slice()
@@ -1045,12 +1049,7 @@ async fn envd_files_octet_stream_and_multipart() {
         .collect();
     assert_eq!(names, ["one.txt", "two.txt"]);
 
-    let missing = app
-        .client
-        .get(app.url("/files?path=nope"))
-        .header("E2b-Sandbox-Id", &id)
-        .header("E2b-Sandbox-Port", "49983")
-        .header("X-Access-Token", &token);
+    let missing = envd_get(&app, &id, &token, "/files?path=nope");
     e2b_error(&Reply::read(missing.send().await.unwrap()).await, 404);
     let outside = envd(&app, &id, Some(&token), "/files?path=/etc/passwd")
         .header("Content-Type", "application/octet-stream")
@@ -1398,12 +1397,7 @@ async fn stdin_then_eof(app: &TestApp) -> bool {
     }
     let (events, _) = envelopes(&task.await.unwrap().body);
     assert_eq!(events.last().unwrap()["event"]["end"]["exitCode"], 0);
-    let read = app
-        .client
-        .get(app.url("/files?path=got.bin"))
-        .header("E2b-Sandbox-Id", &id)
-        .header("E2b-Sandbox-Port", "49983")
-        .header("X-Access-Token", &token);
+    let read = envd_get(app, &id, &token, "/files?path=got.bin");
     let got = Reply::read(read.send().await.unwrap()).await;
     assert_eq!(got.status.as_u16(), 200);
     assert_eq!(&got.body[..], bytes);
@@ -1438,13 +1432,7 @@ async fn kill_leaves_a_marker(app: &TestApp) -> bool {
         json!({}),
     )
     .await;
-    let file = |path: &str| {
-        app.client
-            .get(app.url(&format!("/files?path={path}")))
-            .header("E2b-Sandbox-Id", &id)
-            .header("E2b-Sandbox-Port", "49983")
-            .header("X-Access-Token", &token)
-    };
+    let file = |path: &str| envd_get(app, &id, &token, &format!("/files?path={path}"));
     support::poll(|| async {
         (file("started").send().await.unwrap().status().as_u16() == 200).then_some(())
     })
@@ -1486,21 +1474,11 @@ async fn sigkill_ends_a_term_ignoring_shell(app: &TestApp) -> bool {
     .await;
     // The signal goes only once the shell ignores TERM: sent before, a TERM (the defect's)
     // would end it as surely as a KILL.
-    let mut trapped = false;
-    for _ in 0..100 {
-        let rb = app
-            .client
-            .get(app.url("/files?path=trapped"))
-            .header("E2b-Sandbox-Id", &id)
-            .header("E2b-Sandbox-Port", "49983")
-            .header("X-Access-Token", &token);
-        if rb.send().await.expect("send").status() == 200 {
-            trapped = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(trapped, "the shell never set its TERM trap");
+    support::poll(|| async {
+        let rb = envd_get(app, &id, &token, "/files?path=trapped");
+        (rb.send().await.expect("send").status() == 200).then_some(())
+    })
+    .await;
     unary(
         app,
         &id,
@@ -1721,12 +1699,7 @@ async fn env_var_seen(app: &TestApp) -> (Vec<u8>, Value) {
     )
     .await;
     let (events, _) = run(app, &id, &token, "printf %s \"$SANDSPEC_GREETING\"").await;
-    let envs = app
-        .client
-        .get(app.url("/envs"))
-        .header("E2b-Sandbox-Id", &id)
-        .header("E2b-Sandbox-Port", "49983")
-        .header("X-Access-Token", &token);
+    let envs = envd_get(app, &id, &token, "/envs");
     let envs = Reply::read(envs.send().await.unwrap()).await.ok(200);
     (stdout_of(&events), envs)
 }
