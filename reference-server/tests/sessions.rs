@@ -1020,6 +1020,53 @@ async fn a_stale_lease_generation_writes_nothing() {
     );
 }
 
+#[tokio::test]
+async fn an_idle_workers_next_waits_for_work_and_takes_what_comes() {
+    let app = app_with(|c| c.gateway.lease_ttl = Duration::from_secs(30)).await;
+    let (sid, bridge) = idle_session(&app).await;
+    bridge
+        .send(&app, "lease", json!({"worker_id": "suite"}), Signing::Valid)
+        .await
+        .ok(201);
+    let before = app.digest().await;
+    for bad in [json!(1001), json!(-1), json!("10")] {
+        let r = bridge
+            .send(
+                &app,
+                "next",
+                json!({"lease_generation": 1, "wait_ms": bad}),
+                Signing::Valid,
+            )
+            .await;
+        r.problem(400, "invalid_argument");
+    }
+    assert_eq!(app.digest().await, before);
+    // Nothing queued: a short wait ends empty.
+    bridge
+        .send(
+            &app,
+            "next",
+            json!({"lease_generation": 1, "wait_ms": 50}),
+            Signing::Valid,
+        )
+        .await
+        .ok(204);
+    // A submission made while the ask waits is what it answers with.
+    let (work, sub) = tokio::join!(
+        bridge.send(
+            &app,
+            "next",
+            json!({"lease_generation": 1, "wait_ms": 1000}),
+            Signing::Valid,
+        ),
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            submit(&app, ALICE, &sid, "k", "hi").await
+        }
+    );
+    assert_eq!(work.ok(200)["submission_id"], sub["id"]);
+}
+
 // ----- the session event stream -----
 
 #[tokio::test]

@@ -484,6 +484,7 @@ pub async fn events(
         stream,
         is_terminal: Box::new(|e| e.kind == "exit"),
         finished,
+        known_live: false,
         filter: None,
         on_delivered,
     };

@@ -21,7 +21,9 @@ use crate::store::{Kind, Record, Scope};
 
 use super::core::{Gateway, Loaded, SessionGuard, SessionRt, decode};
 use super::http::{Admin, ApiResult, parse_json};
-use super::model::{ErrorBody, OperationDoc, SubmissionDoc, Usage, new_id, plausible_id, rfc3339};
+use super::model::{
+    ErrorBody, OperationDoc, SubmissionDoc, Usage, new_id, plausible_id, rfc3339, session_stream,
+};
 use super::routes::{PathId, PathIds};
 use super::sessions::read_body;
 use super::signing::{REVISION_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify};
@@ -231,48 +233,104 @@ pub async fn heartbeat(
     .into_response())
 }
 
+/// The longest a worker may ask `POST /next` to wait for work (`wait_ms`).
+const MAX_NEXT_WAIT_MS: u64 = 1_000;
+
+/// How often a waiting `POST /next` looks at the queue again without a wake-up: a submission
+/// accepted by another server process wakes it only through the store's feed of appends.
+const NEXT_RECHECK: std::time::Duration = std::time::Duration::from_millis(150);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NextRequest {
+    lease_generation: i64,
+    /// How long to wait for work before answering 204; absent means not at all.
+    #[serde(default)]
+    wait_ms: Option<u64>,
+}
+
 pub async fn next(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     PathId(sid): PathId,
-    Signed(req): Signed<Generation>,
+    Signed(req): Signed<NextRequest>,
 ) -> ApiResult<Response> {
-    let rt = gw.rt(&sid);
-    let (_guard, loaded) = fenced(&gw, &rt, &sid, req.lease_generation).await?;
-    if loaded.doc.state != "active" {
-        return Ok(StatusCode::NO_CONTENT.into_response());
+    let wait = match req.wait_ms {
+        None => 0,
+        Some(ms) if ms <= MAX_NEXT_WAIT_MS => ms,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "wait_ms",
+                format!("wait_ms is at most {MAX_NEXT_WAIT_MS}"),
+            ));
+        }
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait);
+    // Every change of the queue appends to the session's log, so following it wakes the wait.
+    let mut wake = state.log.follow(&session_stream(&sid));
+    loop {
+        if let Some(work) = take_next(&state, &gw, &sid, req.lease_generation).await? {
+            return Ok(work);
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        tokio::select! {
+            _ = wake.changed() => {}
+            () = tokio::time::sleep(NEXT_RECHECK.min(left)) => {}
+            () = state.shutdown.cancelled() => return Ok(StatusCode::NO_CONTENT.into_response()),
+        }
     }
-    if gw.active_submission(&sid).await?.is_some()
+}
+
+/// Starts the session's next queued submission under `generation` and answers with it;
+/// `None` when there is none to start now (the session is not active, a turn is running, or
+/// the queue is empty).
+async fn take_next(
+    state: &AppState,
+    gw: &Gateway,
+    sid: &str,
+    generation: i64,
+) -> ApiResult<Option<Response>> {
+    let rt = gw.rt(sid);
+    let (_guard, loaded) = fenced(gw, &rt, sid, generation).await?;
+    if loaded.doc.state != "active" {
+        return Ok(None);
+    }
+    if gw.active_submission(sid).await?.is_some()
         && !state.config.defects.has(Defect::QueueRunsConcurrently)
     {
-        return Ok(StatusCode::NO_CONTENT.into_response());
+        return Ok(None);
     }
     let Some((mut rec, mut sub)) = gw
-        .submissions(&sid, Some("queued"))
+        .submissions(sid, Some("queued"))
         .await?
         .into_iter()
         .next()
     else {
-        return Ok(StatusCode::NO_CONTENT.into_response());
+        return Ok(None);
     };
     let manifest = gw.artifact_manifest(&loaded.doc.sandbox_id).await;
     rt.live().artifact_baseline = Some((sub.id.clone(), manifest));
     sub.state = "running".into();
     sub.started_at = Some(now());
-    sub.lease_generation = Some(req.lease_generation);
+    sub.lease_generation = Some(generation);
     gw.save_submission(&mut rec, &sub).await?;
     gw.append(
-        &sid,
+        sid,
         "submission.started",
-        json!({"submission_id": sub.id, "lease_generation": req.lease_generation}),
+        json!({"submission_id": sub.id, "lease_generation": generation}),
     )
     .await?;
-    Ok(axum::Json(json!({
-        "submission_id": sub.id,
-        "input": sub.input,
-        "agent": {"model": loaded.doc.agent.model, "instructions": loaded.doc.agent.instructions},
-    }))
-    .into_response())
+    Ok(Some(
+        axum::Json(json!({
+            "submission_id": sub.id,
+            "input": sub.input,
+            "agent": {"model": loaded.doc.agent.model, "instructions": loaded.doc.agent.instructions},
+        }))
+        .into_response(),
+    ))
 }
 
 /// The submission a bridge write names: of this session, and running or cancelling.

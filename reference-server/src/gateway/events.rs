@@ -54,6 +54,8 @@ pub async fn session_events(
         stream,
         is_terminal: Box::new(|e| e.kind == "session.deleted"),
         finished: session_gone(&state, &sid),
+        // The lookup above found the session: it is not gone.
+        known_live: true,
         filter: None,
         on_delivered: None,
     };
@@ -81,6 +83,7 @@ pub async fn submission_events(
             stream: session_stream(&sid),
             is_terminal: Box::new(|e| e.kind == "session.deleted"),
             finished: session_gone(&state, &sid),
+            known_live: false,
             filter: Some(of_submission(&id)),
             on_delivered: None,
         }
@@ -90,6 +93,7 @@ pub async fn submission_events(
             stream: session_stream(&sid),
             is_terminal: Box::new(move |e| own(e) && is_submission_end(&e.kind)),
             finished: submission_finished(&gw, &sid, &id),
+            known_live: false,
             filter: (!defects.has(Defect::SubmissionStreamLeaksOtherEvents))
                 .then(|| of_submission(&id)),
             on_delivered: None,

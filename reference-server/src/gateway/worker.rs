@@ -22,6 +22,8 @@ use super::signing::{REVISION_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign};
 
 /// How long the worker waits before asking for work again when there is none.
 const IDLE_POLL: Duration = Duration::from_millis(150);
+/// How long an idle worker's `POST /next` asks the gateway to wait for work.
+const NEXT_WAIT_MS: u64 = 1_000;
 /// How long one bridge request may take.
 const BRIDGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one model call may take before the turn fails with `model_error`.
@@ -326,10 +328,15 @@ pub async fn run(env: WorkerEnv) -> Result<(), WorkerError> {
                 return Err(WorkerError::LeaseLost);
             }
         }
-        match bridge
-            .post("next", &json!({"lease_generation": generation}))
-            .await?
-        {
+        // An idle worker lets the gateway hold its ask until work comes (or a second
+        // passes); a busy one only asks whether more may start beside its turns.
+        let idle = turns.is_empty();
+        let ask = if idle {
+            json!({"lease_generation": generation, "wait_ms": NEXT_WAIT_MS})
+        } else {
+            json!({"lease_generation": generation})
+        };
+        match bridge.post("next", &ask).await? {
             (200, work) => {
                 let turn = Turn {
                     bridge: Arc::clone(&bridge),
@@ -364,6 +371,8 @@ pub async fn run(env: WorkerEnv) -> Result<(), WorkerError> {
                     }
                 });
             }
+            // The gateway waited for work and none came: ask again.
+            (204, _) if idle => {}
             (204, _) => {
                 // Nothing to take now: ask again after a pause, or at once when a turn of
                 // this worker ends (the queue's next turn can start then).

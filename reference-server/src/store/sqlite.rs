@@ -73,9 +73,12 @@ impl SqliteStore {
                 let anchor = SqliteConnection::connect_with(&options).await?;
                 // One connection: shared-cache connections lock whole tables and fail rather
                 // than wait, so concurrent work is serialized by the pool instead.
+                // A connection to a local file or memory does not go stale the way a network
+                // one does, so the pool does not ping it before each query.
                 let pool = SqlitePoolOptions::new()
                     .max_connections(1)
                     .min_connections(1)
+                    .test_before_acquire(false)
                     .idle_timeout(None)
                     .max_lifetime(None)
                     .connect_with(options)
@@ -97,6 +100,7 @@ impl SqliteStore {
                     .busy_timeout(BUSY_TIMEOUT);
                 let pool = SqlitePoolOptions::new()
                     .max_connections(4)
+                    .test_before_acquire(false)
                     .connect_with(options)
                     .await?;
                 (pool, None)

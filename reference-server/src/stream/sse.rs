@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store::{Event, SlotClaim, Store, StoreError};
 
-use super::EventLog;
+use super::{EventLog, Framed};
 
 /// Events read from the store per batch (and so at most buffered per stream).
 const BATCH: u32 = 256;
@@ -206,6 +206,9 @@ pub struct Subject {
     /// with nothing for it after the cursor, 204 before the stream starts, and EOF when an
     /// idle stream finds it so (a subject removed before its terminal event was read).
     pub finished: Finished,
+    /// The caller has just seen the subject unfinished (the session it looked up exists), so
+    /// `finished` is not asked before the stream starts; it is still asked while it idles.
+    pub known_live: bool,
     /// The events of the log that belong to this stream; `None` for all of them. The others
     /// are read and passed over: they move the cursor but are not sent.
     pub filter: Option<EventTest>,
@@ -248,24 +251,47 @@ pub async fn respond(
     let store = Arc::clone(log.store());
     // Follow before reading so that an append racing with the first read still wakes us.
     let wake = log.follow(&subject.stream);
-    let finished = (subject.finished)().await?;
-    let bounds = store.stream_bounds(&subject.stream).await?;
-    let mut start = match cursor {
-        Some(c) if c < bounds.purged_through => {
-            if !options.expired_cursor_skips {
-                return Err(SseError::CursorExpired);
-            }
-            // The defect: the events between the cursor and the retained log are skipped.
-            bounds.purged_through
-        }
-        Some(c) => c,
-        None => bounds.purged_through,
+    let finished = !subject.known_live && (subject.finished)().await?;
+    // The first read of the log also places the cursor: the log is gap-free, so a batch that
+    // starts right after the cursor (or, without one, anywhere) proves the cursor is within
+    // the retained log. The log's bounds are read only when it does not: an empty or purged
+    // log, or a subject that has finished.
+    let first = if finished {
+        Vec::new()
+    } else {
+        log.read_after(&subject.stream, cursor.unwrap_or(0), BATCH)
+            .await?
     };
-    if finished && !any_after(store.as_ref(), &subject, start, bounds.last_seq).await? {
-        return Ok(StatusCode::NO_CONTENT.into_response());
-    }
+    let placed = match (cursor, first.first()) {
+        (Some(c), Some(f)) if f.event.seq == c + 1 => Some(c),
+        (None, Some(f)) => Some(f.event.seq - 1),
+        _ => None,
+    };
+    let (mut start, mut pending) = match placed {
+        Some(start) => (start, first),
+        None => {
+            let bounds = store.stream_bounds(&subject.stream).await?;
+            let start = match cursor {
+                Some(c) if c < bounds.purged_through => {
+                    if !options.expired_cursor_skips {
+                        return Err(SseError::CursorExpired);
+                    }
+                    // The defect: the events between the cursor and the retained log are
+                    // skipped.
+                    bounds.purged_through
+                }
+                Some(c) => c,
+                None => bounds.purged_through,
+            };
+            if finished && !any_after(store.as_ref(), &subject, start, bounds.last_seq).await? {
+                return Ok(StatusCode::NO_CONTENT.into_response());
+            }
+            (start, Vec::new())
+        }
+    };
     if cursor.is_some() && options.skip_first_on_resume {
         start += 1;
+        pending.clear();
     }
     let now = Instant::now();
     let state = Running {
@@ -290,6 +316,7 @@ pub async fn respond(
         outage_stalls: options.outage_stalls,
         slot: Some(slot),
         read_due: true,
+        pending,
     };
     let body = futures_util::stream::unfold(state, |mut s| async move {
         let Some(chunk) = s.next_chunk().await else {
@@ -368,6 +395,8 @@ struct Running {
     /// Whether the store may hold events not read yet. Always read when the log does not
     /// ignore foreign appends; with that defect, only after a wake-up (or a full batch).
     read_due: bool,
+    /// Events read before the stream started, sent first.
+    pending: Vec<Arc<Framed>>,
 }
 
 impl Drop for Running {
@@ -397,7 +426,9 @@ impl Running {
             if Instant::now() >= self.deadline {
                 return Some(self.end("max_duration"));
             }
-            let events = if self.read_due || !self.log.ignores_foreign_appends() {
+            let events = if !self.pending.is_empty() {
+                std::mem::take(&mut self.pending)
+            } else if self.read_due || !self.log.ignores_foreign_appends() {
                 match self.log.read_after(&self.stream, self.cursor, BATCH).await {
                     Ok(events) => events,
                     Err(e) if self.outage_stalls => {
@@ -575,6 +606,7 @@ mod tests {
                 stream: stream.to_owned(),
                 is_terminal: Box::new(|e| e.kind == "exit"),
                 finished: Box::new(move || Box::pin(async move { Ok(finished) })),
+                known_live: false,
                 filter: None,
                 on_delivered: None,
             }
@@ -652,15 +684,18 @@ mod tests {
         #[tokio::test]
         async fn events_purged_under_an_open_stream_end_it_as_lagging() {
             let log = log().await;
-            for _ in 0..3 {
-                log.append("s", "stdout", &json!({"data": "x"}))
-                    .await
-                    .unwrap();
-            }
             let response = respond(&log, subject("s", false), Some(0), slot(), options())
                 .await
                 .unwrap();
-            // Retention runs before the client reads anything.
+            // Another process appends (so this one's memory does not hold the events), and
+            // retention runs before the stream reads them.
+            let other = EventLog::new(Arc::clone(log.store()));
+            for _ in 0..3 {
+                other
+                    .append("s", "stdout", &json!({"data": "x"}))
+                    .await
+                    .unwrap();
+            }
             log.store().purge_events("s", 2).await.unwrap();
             assert_eq!(
                 body(response).await,
