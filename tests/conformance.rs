@@ -287,8 +287,20 @@ fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
     }
 }
 
+/// How many trials run at once unless `--test-threads` or `RUST_TEST_THREADS` says: a trial
+/// spends most of its time waiting on a server (streams, timers, processes), not on a core.
+const DEFAULT_THREADS: usize = 4;
+
 fn main() {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    if args.test_threads.is_none() {
+        args.test_threads = Some(
+            std::env::var("RUST_TEST_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_THREADS),
+        );
+    }
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
     // A broken file becomes a failing `parse::<file>` test; the rest still run. Each
     // profile's catalog is loaded on its own (the `/v1` one leaves the others' folders out).

@@ -252,23 +252,29 @@ pub async fn respond(
     // Follow before reading so that an append racing with the first read still wakes us.
     let wake = log.follow(&subject.stream);
     let finished = !subject.known_live && (subject.finished)().await?;
-    // The first read of the log also places the cursor: the log is gap-free, so a batch that
-    // starts right after the cursor (or, without one, anywhere) proves the cursor is within
-    // the retained log. The log's bounds are read only when it does not: an empty or purged
-    // log, or a subject that has finished.
+    // The first read of the log also places the cursor. The log is gap-free and retention
+    // drops a prefix of it, so its first retained event is the one after `purged_through`:
+    // a batch read from just before the cursor whose first event is at most the one after
+    // it proves the cursor is not expired. The log's bounds are read only when no batch
+    // proves it (an empty or purged log), or for a subject that has finished.
+    let probe = cursor.map_or(0, |c| (c - 1).max(0));
     let first = if finished {
         Vec::new()
     } else {
-        log.read_after(&subject.stream, cursor.unwrap_or(0), BATCH)
-            .await?
+        log.read_after(&subject.stream, probe, BATCH).await?
     };
     let placed = match (cursor, first.first()) {
-        (Some(c), Some(f)) if f.event.seq == c + 1 => Some(c),
+        (Some(c), Some(f)) if f.event.seq <= c + 1 => Some(c),
         (None, Some(f)) => Some(f.event.seq - 1),
         _ => None,
     };
     let (mut start, mut pending) = match placed {
-        Some(start) => (start, first),
+        Some(start) => {
+            // The events after the cursor, possibly none: the stream starts with them
+            // instead of reading again.
+            let after = first.into_iter().filter(|f| f.event.seq > start).collect();
+            (start, Some(after))
+        }
         None => {
             let bounds = store.stream_bounds(&subject.stream).await?;
             let start = match cursor {
@@ -286,12 +292,12 @@ pub async fn respond(
             if finished && !any_after(store.as_ref(), &subject, start, bounds.last_seq).await? {
                 return Ok(StatusCode::NO_CONTENT.into_response());
             }
-            (start, Vec::new())
+            (start, None)
         }
     };
     if cursor.is_some() && options.skip_first_on_resume {
         start += 1;
-        pending.clear();
+        pending = None;
     }
     let now = Instant::now();
     let state = Running {
@@ -395,8 +401,9 @@ struct Running {
     /// Whether the store may hold events not read yet. Always read when the log does not
     /// ignore foreign appends; with that defect, only after a wake-up (or a full batch).
     read_due: bool,
-    /// Events read before the stream started, sent first.
-    pending: Vec<Arc<Framed>>,
+    /// What the stream's start read of the log after the cursor (possibly nothing), used
+    /// in place of the first read.
+    pending: Option<Vec<Arc<Framed>>>,
 }
 
 impl Drop for Running {
@@ -426,8 +433,8 @@ impl Running {
             if Instant::now() >= self.deadline {
                 return Some(self.end("max_duration"));
             }
-            let events = if !self.pending.is_empty() {
-                std::mem::take(&mut self.pending)
+            let events = if let Some(pending) = self.pending.take() {
+                pending
             } else if self.read_due || !self.log.ignores_foreign_appends() {
                 match self.log.read_after(&self.stream, self.cursor, BATCH).await {
                     Ok(events) => events,
@@ -719,6 +726,44 @@ mod tests {
                 .await
                 .unwrap();
             assert!(body(fresh).await.starts_with("id: 3\n"));
+        }
+
+        #[tokio::test]
+        async fn a_live_subjects_first_read_places_the_cursor_at_the_retention_edge() {
+            let log = log().await;
+            for _ in 0..3 {
+                log.append("s", "stdout", &json!({"data": "x"}))
+                    .await
+                    .unwrap();
+            }
+            log.append("s", "exit", &json!({})).await.unwrap();
+            log.store().purge_events("s", 2).await.unwrap();
+            // From another process's view, so that no read is served from this one's memory.
+            let other = EventLog::new(Arc::clone(log.store()));
+            for expired in [0, 1] {
+                let refused = respond(
+                    &other,
+                    subject("s", false),
+                    Some(expired),
+                    slot(),
+                    options(),
+                )
+                .await;
+                assert!(
+                    matches!(refused, Err(SseError::CursorExpired)),
+                    "cursor {expired}"
+                );
+            }
+            for (cursor, first) in [
+                (Some(2), "id: 3\n"),
+                (Some(3), "id: 4\n"),
+                (None, "id: 3\n"),
+            ] {
+                let response = respond(&other, subject("s", false), cursor, slot(), options())
+                    .await
+                    .unwrap();
+                assert!(body(response).await.starts_with(first), "cursor {cursor:?}");
+            }
         }
 
         #[tokio::test]
