@@ -250,35 +250,67 @@ pub async fn first_frame(
     }
 }
 
+/// What a session's stream showed of a run of turns: when the last one completed, and the
+/// server's `created_at` of each submission's events.
+pub struct Completions {
+    pub last: Instant,
+    /// Per submission, in the order they started: `submission.started` and
+    /// `submission.completed`.
+    pub turns: Vec<(time::OffsetDateTime, time::OffsetDateTime)>,
+}
+
 /// Follows `sid`'s events after `after` until `n` submissions have ended; all must complete.
 pub async fn completions(
     addr: SocketAddr,
     sid: String,
     after: i64,
     n: usize,
-) -> anyhow::Result<Instant> {
+) -> anyhow::Result<Completions> {
     let mut reader =
         SseReader::open(addr, &format!("/v1/sessions/{sid}/events"), Some(after)).await?;
-    let mut ended = 0;
+    let mut started = std::collections::HashMap::new();
+    let mut turns = Vec::new();
     loop {
         while let Some(frame) = reader.frame()? {
             let Some(data) = frame_data(&frame)? else {
                 continue;
             };
             let kind = data["type"].as_str().unwrap_or("");
-            if kind == "submission.completed" {
-                ended += 1;
-                if ended == n {
-                    return Ok(Instant::now());
+            let at = || -> anyhow::Result<time::OffsetDateTime> {
+                let created = data["created_at"]
+                    .as_str()
+                    .context("an event without created_at")?;
+                Ok(time::OffsetDateTime::parse(
+                    created,
+                    &time::format_description::well_known::Rfc3339,
+                )?)
+            };
+            let id = data["submission_id"].as_str().unwrap_or("").to_owned();
+            if kind == "submission.started" {
+                started.insert(id, at()?);
+            } else if kind == "submission.completed" {
+                let start = started
+                    .remove(&id)
+                    .with_context(|| format!("{id} completed without starting"))?;
+                turns.push((start, at()?));
+                if turns.len() == n {
+                    turns.sort();
+                    return Ok(Completions {
+                        last: Instant::now(),
+                        turns,
+                    });
                 }
-            } else if kind.starts_with("submission.")
-                && !matches!(kind, "submission.queued" | "submission.started")
-            {
+            } else if kind.starts_with("submission.") && kind != "submission.queued" {
                 bail!("a submission of {sid} ended otherwise: {data}");
             }
         }
         tokio::time::timeout(Duration::from_secs(120), reader.fill())
             .await
-            .with_context(|| format!("{sid}: {ended} of {n} submissions completed in 120 s"))??;
+            .with_context(|| {
+                format!(
+                    "{sid}: {} of {n} submissions completed in 120 s",
+                    turns.len()
+                )
+            })??;
     }
 }

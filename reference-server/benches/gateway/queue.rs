@@ -13,6 +13,11 @@ pub struct Queue {
     pub submissions: Vec<f64>,
     /// `GET /v1/sessions/{id}` per second, one figure per repetition.
     pub gets: Vec<f64>,
+    /// Per turn, from `submission.started` to `submission.completed`, in microseconds.
+    pub turn_us: Vec<f64>,
+    /// Per turn that was queued behind another of its session, from the other's
+    /// `submission.completed` to its own `submission.started`, in microseconds.
+    pub handoff_us: Vec<f64>,
 }
 
 /// Creates `queue_sessions` sessions and starts their workers with one turn each; then, per
@@ -33,6 +38,7 @@ pub async fn queue(
     }
     let api = Arc::new(api.clone());
     let (mut submissions, mut gets) = (Vec::new(), Vec::new());
+    let (mut turn_us, mut handoff_us) = (Vec::new(), Vec::new());
     for _ in 0..settings.reps {
         let mut watchers = Vec::new();
         for sid in &sessions {
@@ -60,14 +66,27 @@ pub async fn queue(
         }
         let mut last = started;
         for watcher in watchers {
-            last = last.max(watcher.await??);
+            let seen = watcher.await??;
+            last = last.max(seen.last);
+            let micros = |d: time::Duration| d.whole_microseconds() as f64;
+            for (start, end) in &seen.turns {
+                turn_us.push(micros(*end - *start));
+            }
+            for pair in seen.turns.windows(2) {
+                handoff_us.push(micros(pair[1].0 - pair[0].1));
+            }
         }
         let total = settings.queue_sessions * settings.queue_turns;
         submissions.push(total as f64 / (last - started).as_secs_f64());
 
         gets.push(plain_requests(&api, &sessions[0], settings).await?);
     }
-    Ok(Queue { submissions, gets })
+    Ok(Queue {
+        submissions,
+        gets,
+        turn_us,
+        handoff_us,
+    })
 }
 
 /// `GET /v1/sessions/{sid}` per second from a few concurrent keep-alive clients.

@@ -144,6 +144,33 @@ impl Results {
             ));
         }
         out.push_str(".\n");
+        let ms = |v: &[f64], q: f64| {
+            if v.is_empty() {
+                "n/a".to_owned()
+            } else {
+                format!("{:.2} ms", quantile(v, q) / 1000.0)
+            }
+        };
+        let stages = |store: &str, q: &Queue| {
+            format!(
+                "{store}: a turn, `submission.started` to `submission.completed`, median {} \
+                 (p90 {}, {} turns); from a turn's completion to the start of the next one \
+                 queued behind it, median {} (p90 {})",
+                ms(&q.turn_us, 0.5),
+                ms(&q.turn_us, 0.9),
+                q.turn_us.len(),
+                ms(&q.handoff_us, 0.5),
+                ms(&q.handoff_us, 0.9),
+            )
+        };
+        out.push_str(&format!(
+            "Where a turn's time goes (the server's `created_at` of its events): {}",
+            stages("SQLite", &self.sqlite)
+        ));
+        if let Ok(pg) = &self.postgres {
+            out.push_str(&format!("; {}", stages("PostgreSQL", pg)));
+        }
+        out.push_str(".\n");
         out
     }
 }
