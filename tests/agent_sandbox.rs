@@ -9,13 +9,19 @@
 //!
 //! Without python3 or PyPI the tests say so and skip; under `CI=true` that is a failure.
 
+#[path = "support/command.rs"]
+mod command;
+#[path = "support/receipt.rs"]
+mod receipt;
+#[path = "support/runtime.rs"]
+mod runtime;
 #[path = "support/venv.rs"]
 mod venv;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::LazyLock;
 
+use runtime::RUNTIME;
 use sandspec::agent_sandbox::{DEFECT_ENV, DEFECTS, LaunchedService};
 use sandspec::engine::{Outcome, run_scenario};
 use sandspec::profile::Api;
@@ -25,23 +31,14 @@ use sandspec::target::Target;
 /// The release this profile is pinned against (docs/profiles/agent-sandbox.md).
 const PACKAGE: &str = "agent-sandbox-server==0.4.0a6";
 
-static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-});
-
 /// The `agent-sandbox-server` executable of a virtualenv under the target directory,
 /// installed once; `None` (a visible skip) when it cannot be, which fails under `CI=true`.
 fn service_bin() -> Option<PathBuf> {
-    let venv = venv::pinned(
-        env!("CARGO_TARGET_TMPDIR"),
+    venv::executable(
         "agent-sandbox-server-venv",
         &[PACKAGE],
-    )?;
-    Some(venv.join("bin").join("agent-sandbox-server"))
+        "agent-sandbox-server",
+    )
 }
 
 /// The `--launch` command for the package, with the stand-in's defect when given.
@@ -69,15 +66,12 @@ fn catalog() -> Vec<LoadedScenario> {
     load_dir(&Api::AgentSandbox.catalog(&root)).expect("the agent-sandbox catalog parses")
 }
 
-/// One line per scenario of a receipt: ID, outcome, and the failed step and reason, with
-/// what changes from run to run (attempt counts) replaced.
-fn summary(receipt: &serde_json::Value) -> String {
+/// One line per scenario of a receipt's predicate: ID, outcome, and the failed step and
+/// reason, with what changes from run to run (attempt counts) replaced.
+fn summary(report: &serde_json::Value) -> String {
     let attempts = regex::Regex::new(r"after \d+ attempts").unwrap();
     let mut lines = Vec::new();
-    for s in receipt["predicate"]["scenarios"]
-        .as_array()
-        .expect("scenarios")
-    {
+    for s in receipt::scenarios(report) {
         let mut line = format!(
             "{} {}",
             s["id"].as_str().unwrap(),
@@ -108,23 +102,18 @@ fn the_package_runs_the_profile_as_pinned() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     // Not conformant: the findings of docs/findings/agent-sandbox-server-0.4.0a6.md.
     assert_eq!(run.status.code(), Some(1), "stderr:\n{stderr}");
-    let receipt: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(evidence.join("receipt.json")).unwrap()).unwrap();
-    assert_eq!(receipt["predicate"]["target"]["kind"], "launched");
-    assert_eq!(receipt["predicate"]["target"]["server_version"], "0.4.0a6");
-    let verify = Command::new(env!("CARGO_BIN_EXE_sandspec"))
-        .args(["evidence", "verify"])
-        .arg(&evidence)
-        .output()
-        .unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
+    let report = receipt::predicate(&evidence);
+    assert_eq!(report["target"]["kind"], "launched");
+    assert_eq!(report["target"]["server_version"], "0.4.0a6");
+    command::succeeded(
+        Command::new(env!("CARGO_BIN_EXE_sandspec"))
+            .args(["evidence", "verify"])
+            .arg(&evidence),
+        "sandspec evidence verify",
     );
     // Every session a scenario made was removed by its own cleanup; the sweep found nothing,
     // and no session of anything else was there to ignore (the state directory is the run's).
-    let cleanup = &receipt["predicate"]["cleanup"];
+    let cleanup = &report["cleanup"];
     assert_eq!(cleanup["swept"], serde_json::json!([]), "{cleanup}");
     assert!(cleanup["run_sweep"]["error"].is_null(), "{cleanup}");
     assert_eq!(
@@ -132,7 +121,7 @@ fn the_package_runs_the_profile_as_pinned() {
         serde_json::json!([]),
         "{cleanup}"
     );
-    let summary = summary(&receipt);
+    let summary = summary(&report);
     // Every scenario of the catalog ran: none is missing from the pinned summary.
     assert_eq!(summary.lines().count(), catalog().len(), "{summary}");
     // A MUST scenario that names no stand-in defect shows that it can fail by failing here.

@@ -3,8 +3,12 @@
 //! conformant (exit 0) with a verified evidence folder written; a server with a defect is not
 //! (exit 1) and the receipt names the failing scenario. Also `sandspec sweep`.
 
+#[path = "support/http.rs"]
+mod http;
 #[path = "support/owner.rs"]
 mod owner;
+#[path = "support/receipt.rs"]
+mod receipt;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -85,18 +89,9 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
         0,
         "the folder verifies"
     );
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(clean.join("receipt.json")).unwrap())
-            .unwrap();
-    let report = &receipt["predicate"];
-    let all = report["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == "all")
-        .unwrap();
-    assert_eq!(all["verdict"], "conformant");
-    assert_eq!(report["scenarios"].as_array().unwrap().len(), 3);
+    let report = receipt::predicate(&clean);
+    assert_eq!(receipt::verdict(&report), "conformant");
+    assert_eq!(receipt::scenarios(&report).len(), 3);
     // The whole catalog ran: no verdict is a subset.
     assert_eq!(report["selection"]["subset"], false);
     assert!(
@@ -107,12 +102,7 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
             .all(|p| p["subset"] == false && p["selected"] == p["catalog"])
     );
     // The stream scenario recorded its measurements, and eventsource-client read its streams.
-    let stream = report["scenarios"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["id"] == "PRC-STREAM-001")
-        .unwrap();
+    let stream = receipt::scenario(&report, "PRC-STREAM-001");
     assert!(
         stream["measurements"]["process_stream_first_frame_s"]
             .as_f64()
@@ -146,12 +136,8 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
     let broken = dir.path().join("broken");
     let code = run_against(&["ttl-not-enforced"], "SANDSPEC_CLI_BROKEN", &broken).await;
     assert_eq!(code, ExitCode::from(1));
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(broken.join("receipt.json")).unwrap())
-            .unwrap();
-    let failed: Vec<&str> = receipt["predicate"]["scenarios"]
-        .as_array()
-        .unwrap()
+    let report = receipt::predicate(&broken);
+    let failed: Vec<&str> = receipt::scenarios(&report)
         .iter()
         .filter(|s| s["outcome"] == "fail")
         .map(|s| s["id"].as_str().unwrap())
@@ -297,9 +283,7 @@ fn a_filtered_run_says_it_is_a_subset() {
         stdout.contains("all: conformant (subset: 1 of 3 scenarios)"),
         "{stdout}"
     );
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
-    let p = &receipt["predicate"];
+    let p = receipt::predicate(&out);
     assert_eq!(
         (
             &p["selection"]["subset"],
@@ -575,27 +559,10 @@ async fn a_peer_scenario_skips_without_a_peer() {
         std::env::set_var("SANDSPEC_CLI_PEER_OTHER", &server.tokens.other);
     }
     let outcome_of = |out: &std::path::Path| -> (String, String, Option<String>) {
-        let receipt: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap())
-                .unwrap();
-        let report = &receipt["predicate"];
-        let all = report["profiles"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["profile"] == "all")
-            .unwrap()["verdict"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        let peer = report["scenarios"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["id"] == "FLT-PEER-001")
-            .unwrap();
+        let report = receipt::predicate(out);
+        let peer = receipt::scenario(&report, "FLT-PEER-001");
         (
-            all,
+            receipt::verdict(&report),
             peer["outcome"].as_str().unwrap().to_owned(),
             peer["reason"].as_str().map(str::to_owned),
         )
@@ -672,9 +639,7 @@ fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
         stderr.contains("not applicable: FLT-PEER-001 needs a peer"),
         "{stderr}"
     );
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
-    let p = &receipt["predicate"];
+    let p = receipt::predicate(&out);
     let not_applicable = p["selection"]["not_applicable"].as_array().unwrap();
     let reason = |id: &str| {
         not_applicable
@@ -693,9 +658,7 @@ fn the_reference_on_sqlite_records_peer_scenarios_as_not_applicable() {
         "{stderr}"
     );
     assert!(reason("FLT-PG-001").contains("only on PostgreSQL"));
-    let ran: Vec<&str> = p["scenarios"]
-        .as_array()
-        .unwrap()
+    let ran: Vec<&str> = receipt::scenarios(&p)
         .iter()
         .map(|s| s["id"].as_str().unwrap())
         .collect();
@@ -753,10 +716,8 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
         sandspec::cli::MaxWait(Some(std::time::Duration::from_secs(120)))
     );
     let code = sandspec::cli::run(args.run).await;
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
-    let report = &receipt["predicate"];
-    let scenarios = report["scenarios"].as_array().unwrap();
+    let report = receipt::predicate(&out);
+    let scenarios = receipt::scenarios(&report);
     let failed: Vec<String> = scenarios
         .iter()
         .filter(|s| s["outcome"] == "fail" || s["outcome"] == "error")
@@ -794,10 +755,7 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
             "{id} not skipped: {over_budget:?}"
         );
     }
-    let result_expires = scenarios
-        .iter()
-        .find(|s| s["id"] == "RET-RESULT-001")
-        .unwrap();
+    let result_expires = receipt::scenario(&report, "RET-RESULT-001");
     assert!(
         result_expires["reason"]
             .as_str()
@@ -805,12 +763,7 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
             .contains("advance_clock retention.result_s + 1 = 3601 s"),
         "{result_expires}"
     );
-    let all = report["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == "all")
-        .unwrap();
+    let all = receipt::profile(&report, "all");
     assert_eq!(all["verdict"], "partial");
     let reason = all["reason"].as_str().unwrap();
     for id in &over_budget {
@@ -870,16 +823,9 @@ async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
     ])
     .unwrap();
     assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
+    let report = receipt::predicate(&out);
     let outcome = |id: &str| {
-        let s = receipt["predicate"]["scenarios"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["id"] == id)
-            .unwrap()
-            .clone();
+        let s = receipt::scenario(&report, id);
         (
             s["outcome"].as_str().unwrap().to_owned(),
             s["reason"].clone(),
@@ -896,22 +842,12 @@ async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
 
 /// The `all` profile's verdict and the scenario IDs of the receipt in `out`.
 fn verdict_and_ids(out: &std::path::Path) -> (String, Vec<String>) {
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
-    let report = &receipt["predicate"];
-    let all = report["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == "all")
-        .unwrap();
-    let ids = report["scenarios"]
-        .as_array()
-        .unwrap()
+    let report = receipt::predicate(out);
+    let ids = receipt::scenarios(&report)
         .iter()
         .map(|s| s["id"].as_str().unwrap().to_owned())
         .collect();
-    (all["verdict"].as_str().unwrap().to_owned(), ids)
+    (receipt::verdict(&report), ids)
 }
 
 #[tokio::test]
@@ -1031,15 +967,12 @@ async fn advance_clock_waits_real_time_on_a_shared_target() {
         std::env::set_var(admin, &admin_token);
     }
     let client = sandspec::target::build_client(None).unwrap();
-    let caps: serde_json::Value = client
-        .get(format!("{}/v1/capabilities", server.url))
-        .bearer_auth(&server.tokens.owner)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = http::get_json(
+        &client,
+        &format!("{}/v1/capabilities", server.url),
+        &server.tokens.owner,
+    )
+    .await;
     assert!(
         caps["features"]
             .as_array()
@@ -1064,9 +997,8 @@ async fn advance_clock_waits_real_time_on_a_shared_target() {
     ])
     .unwrap();
     sandspec::cli::run(args.run).await;
-    let receipt: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("receipt.json")).unwrap()).unwrap();
-    let scenarios = receipt["predicate"]["scenarios"].as_array().unwrap();
+    let report = receipt::predicate(&out);
+    let scenarios = receipt::scenarios(&report);
     assert_eq!(scenarios.len(), 1);
     let run = &scenarios[0];
     assert_eq!(run["id"], "SSE-EXPIRE-001");
@@ -1074,15 +1006,12 @@ async fn advance_clock_waits_real_time_on_a_shared_target() {
     // It waited the 3 s retention and the step's extra second in real time.
     assert!(run["duration_ms"].as_u64().unwrap() >= 4000, "{run}");
     // Nothing moved the server's clock: the first move is the whole offset.
-    let moved: serde_json::Value = client
-        .post(format!("{}/v1/test/clock", server.url))
-        .bearer_auth(&admin_token)
-        .json(&serde_json::json!({"advance_ms": 1}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let moved = http::post_json(
+        &client,
+        &format!("{}/v1/test/clock", server.url),
+        &admin_token,
+        &serde_json::json!({"advance_ms": 1}),
+    )
+    .await;
     assert_eq!(moved["offset_ms"], 1, "{moved}");
 }

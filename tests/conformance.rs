@@ -25,24 +25,20 @@
 //! it fail earlier than the step it names. Scenarios marked `exclusive` take a write lock so
 //! nothing else runs beside them.
 
+#[path = "support/runtime.rs"]
+mod runtime;
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 use reference_server::defects::Defect;
+use runtime::RUNTIME;
 use sandspec::engine::{Outcome, run_scenario};
 use sandspec::profile::Api;
 use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
-
-static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-});
 
 /// Started servers by store key; dropped before exit so the child processes are killed.
 static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Target>>>> =

@@ -2,6 +2,8 @@
 //! `verify` catches tampering and pasted tokens, receipts satisfy the published schema, the
 //! honesty rules hold, and an independent scanner (detect-secrets) finds nothing.
 
+#[path = "support/command.rs"]
+mod command;
 #[path = "support/venv.rs"]
 mod venv;
 
@@ -1580,21 +1582,16 @@ fn any_change_to_a_signed_folder_is_refused() {
 /// a virtualenv under the target directory; unavailable is a visible skip locally and a
 /// failure under `CI=true`.
 fn detect_secrets(dir: &Path) -> Option<Vec<String>> {
-    let venv = venv::pinned(
-        env!("CARGO_TARGET_TMPDIR"),
+    let bin = venv::executable(
         "detect-secrets-venv",
         &["detect-secrets==1.5.0"],
+        "detect-secrets",
     )?;
-    let bin = venv.join("bin").join("detect-secrets");
-    let out = Command::new(&bin)
-        .args(DETECT_SECRETS_ARGS)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "detect-secrets failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = command::succeeded(
+        Command::new(&bin)
+            .args(DETECT_SECRETS_ARGS)
+            .current_dir(dir),
+        "detect-secrets",
     );
     let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     Some(

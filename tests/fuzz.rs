@@ -48,12 +48,7 @@ const EXCLUDED_CHECKS: &str = "positive_data_acceptance,missing_required_header"
 
 /// The installed `schemathesis` executable, or `None` (skip) outside CI when it cannot be had.
 fn schemathesis() -> Option<PathBuf> {
-    let venv = venv::pinned(
-        env!("CARGO_TARGET_TMPDIR"),
-        "schemathesis-venv",
-        &[SCHEMATHESIS],
-    )?;
-    Some(venv.join("bin").join("schemathesis"))
+    venv::executable("schemathesis-venv", &[SCHEMATHESIS], "schemathesis")
 }
 
 /// One `sandspec serve` child, killed on drop.

@@ -10,9 +10,11 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use reqwest::Client;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::process::{Child, Command};
 
+#[path = "support/http.rs"]
+mod http;
 #[path = "support/serve.rs"]
 mod serve;
 
@@ -98,15 +100,7 @@ async fn a_sigkilled_server_leaves_no_sandbox_process() {
     let (mut server, base) = start(&dir.path().join("data")).await;
     sandspec::target::install_crypto_provider();
     let client = Client::new();
-    let caps: Value = client
-        .get(format!("{base}/v1/capabilities"))
-        .bearer_auth(ALICE)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = http::get_json(&client, &format!("{base}/v1/capabilities"), ALICE).await;
     let isolated = caps["isolation"]["namespaces"]
         .as_array()
         .is_some_and(|n| n.iter().any(|v| v == "pid"));
@@ -116,16 +110,8 @@ async fn a_sigkilled_server_leaves_no_sandbox_process() {
         eprintln!("skipped: no sandbox isolation here ({})", caps["isolation"]);
         return;
     }
-    let sandbox: Value = client
-        .post(format!("{base}/v1/sandboxes"))
-        .bearer_auth(ALICE)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sandbox =
+        http::post_json(&client, &format!("{base}/v1/sandboxes"), ALICE, &json!({})).await;
     let id = sandbox["id"].as_str().unwrap();
     let marker = format!("iso-survivor-{}", std::process::id());
     // The process escapes its process group and its parent: only the PID namespace ends it.

@@ -8,8 +8,11 @@
 mod faulty_proxy;
 #[path = "support/owner.rs"]
 mod owner;
+#[path = "support/receipt.rs"]
+mod receipt;
 
 use owner::{create, status};
+use receipt::{scenario, verdict};
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -90,32 +93,6 @@ async fn run(
         .expect("the run ends")
 }
 
-fn receipt(out: &Path) -> Value {
-    let text = std::fs::read_to_string(out.join("receipt.json")).unwrap();
-    serde_json::from_str::<Value>(&text).unwrap()["predicate"].clone()
-}
-
-fn verdict(receipt: &Value) -> String {
-    receipt["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == "all")
-        .unwrap()["verdict"]
-        .as_str()
-        .unwrap()
-        .to_owned()
-}
-
-fn scenario<'a>(receipt: &'a Value, id: &str) -> &'a Value {
-    receipt["scenarios"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["id"] == id)
-        .unwrap_or_else(|| panic!("{id} in the receipt"))
-}
-
 async fn reference() -> ReferenceServer {
     let options = ReferenceOptions {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
@@ -155,7 +132,7 @@ async fn a_target_that_never_answers_ends_the_run() {
     let out = dir.path().join("out");
     let code = run(&url, &env, &catalog, &out, &["--request-timeout", "1s"]).await;
     assert_eq!(code, ExitCode::from(3));
-    let r = receipt(&out);
+    let r = receipt::predicate(&out);
     assert_eq!(verdict(&r), "non-conformant");
     for id in ["SBX-LIFE-001", "FILE-RW-001"] {
         let s = scenario(&r, id);
@@ -227,7 +204,7 @@ async fn a_stream_or_a_request_that_is_never_answered_fails_its_step() {
     )
     .await;
     assert_eq!(code, ExitCode::from(1));
-    let r = receipt(&out);
+    let r = receipt::predicate(&out);
     assert_eq!(verdict(&r), "non-conformant");
     let stream = scenario(&r, "PRC-STREAM-001");
     assert_eq!(stream["outcome"], "fail");
@@ -310,7 +287,7 @@ async fn a_target_that_ignores_list_filters_loses_nothing() {
     let out = dir.path().join("out");
     let code = run(&proxy.url, &env, &catalog, &out, &[]).await;
     assert_eq!(code, ExitCode::from(0));
-    let r = receipt(&out);
+    let r = receipt::predicate(&out);
     assert_eq!(verdict(&r), "conformant");
     assert_eq!(
         r["cleanup"]["swept"],
@@ -398,7 +375,7 @@ async fn a_scenario_that_leaks_fails_at_its_leak_check_and_is_swept() {
     let out = dir.path().join("out");
     let code = run(&server.url, &env, &catalog, &out, &[]).await;
     assert_eq!(code, ExitCode::from(1));
-    let r = receipt(&out);
+    let r = receipt::predicate(&out);
     let s = scenario(&r, "LEAK-FIXTURE-001");
     assert_eq!(s["outcome"], "fail");
     assert_eq!(s["failed_step"], "leak check");

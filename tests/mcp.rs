@@ -379,12 +379,11 @@ async fn shutdown_during_a_create(cp: &ControlPlane, session: &mut McpSession) -
 /// failure under `CI=true`. Installed once per test binary, so the tests that use it do not
 /// race on the virtualenv.
 fn agent_sandbox_client() -> Option<std::path::PathBuf> {
-    let venv = venv::pinned(
-        env!("CARGO_TARGET_TMPDIR"),
+    venv::executable(
         "agent-sandbox-client-venv",
         &["agent-sandbox-client==0.4.0a6"],
-    )?;
-    Some(venv.join("bin").join("python"))
+        "python",
+    )
 }
 
 /// What a run of the MCP catalog says, one line per scenario, with the values that change

@@ -14,7 +14,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::{ALICE, BOB, Reply, TestApp, spawn_app};
+use support::{ALICE, BOB, Reply, TestApp, spawn_app, strings};
 
 /// The pinned SDK the compatibility test installs.
 const E2B_SDK: &str = "e2b==2.63.0";
@@ -1041,12 +1041,7 @@ async fn envd_files_octet_stream_and_multipart() {
     )
     .await
     .ok(200);
-    let names: Vec<&str> = files["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["name"].as_str().unwrap())
-        .collect();
+    let names = strings(&files["entries"], "name");
     assert_eq!(names, ["one.txt", "two.txt"]);
 
     let missing = envd_get(&app, &id, &token, "/files?path=nope");
@@ -1141,12 +1136,7 @@ async fn envd_filesystem_rpcs_and_watchers() {
     let all = call("ListDir", json!({"path": "/home/user", "depth": 3}))
         .await
         .ok(200);
-    let paths: Vec<&str> = all["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["path"].as_str().unwrap())
-        .collect();
+    let paths = strings(&all["entries"], "path");
     assert_eq!(
         paths,
         ["/home/user/d", "/home/user/g.txt", "/home/user/d/e"]
@@ -1218,8 +1208,7 @@ async fn envd_watch_dir_streams_events() {
 /// A venv with the pinned E2B SDK, or `None` (with the reason) when it cannot be had;
 /// under `CI=true` that is a failure, not a skip.
 fn sdk_python() -> Option<std::path::PathBuf> {
-    let venv = venv::pinned(env!("CARGO_TARGET_TMPDIR"), "e2b-sdk-venv", &[E2B_SDK])?;
-    Some(venv.join("bin").join("python"))
+    venv::executable("e2b-sdk-venv", &[E2B_SDK], "python")
 }
 
 /// The real E2B Python SDK drives the reference server through `E2B_API_URL` and

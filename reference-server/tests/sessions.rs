@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use reference_server::config::Config;
 use serde_json::{Value, json};
-use support::{ADMIN, ALICE, BOB, TestApp, poll};
+use support::{ADMIN, ALICE, BOB, TestApp, poll, strings};
 
 /// Gateway settings for tests: the built worker, the repository's scripts, quick timings.
 fn gateway(c: &mut Config) {
@@ -488,12 +488,7 @@ async fn a_session_deleted_while_its_sandbox_is_created_disposes_exactly_that_sa
         .problem(404, "not_found");
     assert!(!app.sandbox_dir(&sandbox).exists());
     let list = app.get(ALICE, "/v1/sandboxes").await.ok(200);
-    let ids: Vec<&str> = list["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["id"].as_str().unwrap())
-        .collect();
+    let ids = strings(&list["data"], "id");
     assert_eq!(ids, [bystander["id"].as_str().unwrap()]);
 }
 

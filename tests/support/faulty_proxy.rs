@@ -4,6 +4,9 @@
 //!
 //! Also [`silent_target`]: a listener that answers `GET /v1/capabilities` and nothing else.
 
+#[path = "listening.rs"]
+mod listening;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -28,18 +31,8 @@ pub struct Faults {
     pub hang: Option<Box<HangRule>>,
 }
 
-/// A running proxy; stops when dropped.
-pub struct Proxy {
-    /// `http://127.0.0.1:<port>`.
-    pub url: String,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+/// A running proxy; it stops when dropped.
+pub type Proxy = listening::Listening;
 
 /// Starts a proxy on port 0 that forwards to `upstream` (a base URL, `http://host:port`).
 pub async fn start(upstream: &str, faults: Faults) -> Proxy {
@@ -63,7 +56,7 @@ pub async fn start(upstream: &str, faults: Faults) -> Proxy {
             });
         }
     });
-    Proxy { url, task }
+    Proxy::new(url, task)
 }
 
 async fn forward(

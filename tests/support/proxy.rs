@@ -9,6 +9,9 @@
 //! middle of one (a dropped event stream), the proxy keeps reading the upstream body for
 //! [`HOLD`] before it lets the upstream connection go.
 
+#[path = "listening.rs"]
+mod listening;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,16 +33,7 @@ pub const HOLD: Duration = Duration::from_millis(1000);
 type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 /// A running proxy; it stops when dropped.
-pub struct Proxy {
-    pub url: String,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+pub type Proxy = listening::Listening;
 
 impl Proxy {
     /// Listens on a free loopback port and forwards to `upstream` (`http://host:port`).
@@ -57,7 +51,7 @@ impl Proxy {
                 tokio::spawn(serve_client(client, upstream));
             }
         });
-        Proxy { url, task }
+        Proxy::new(url, task)
     }
 }
 

@@ -6,6 +6,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
+/// The executable `exe` of the virtualenv `name` with the pinned `packages` (see [`pinned`]),
+/// under the test binary's `CARGO_TARGET_TMPDIR`; `None` as with [`pinned`].
+pub fn executable(name: &str, packages: &[&str], exe: &str) -> Option<PathBuf> {
+    let venv = pinned(env!("CARGO_TARGET_TMPDIR"), name, packages)?;
+    Some(venv.join("bin").join(exe))
+}
+
 /// A virtualenv named `name` under `target_tmp` (the test's `CARGO_TARGET_TMPDIR`) with the
 /// pinned `packages` installed, made once and reused while its marker says that the same
 /// packages were installed completely. `None` when it cannot be had: a visible skip, except

@@ -291,6 +291,20 @@ impl TestApp {
     }
 }
 
+/// The string `field` of every element of the array `list`, in order.
+#[allow(dead_code, reason = "not every test binary reads lists")]
+pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"))
+        .iter()
+        .map(|e| {
+            e[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("no string {field} in {e}"))
+        })
+        .collect()
+}
+
 /// Polls `f` every 25 ms until it yields a value, for at most 15 s.
 pub async fn poll<T, F, Fut>(mut f: F) -> T
 where
