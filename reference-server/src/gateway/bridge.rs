@@ -266,16 +266,18 @@ pub async fn next(
         }
     };
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait);
-    // Every change of the queue appends to the session's log, so following it wakes the wait.
-    let mut wake = state.log.follow(&session_stream(&sid));
+    // Every change of the queue appends to the session's log, so following it wakes the wait;
+    // an ask that does not wait follows nothing. Followed before the first look, so that a
+    // submission between the look and the wait still wakes it.
+    let mut wake = (wait > 0).then(|| state.log.follow(&session_stream(&sid)));
     loop {
         if let Some(work) = take_next(&state, &gw, &sid, req.lease_generation).await? {
             return Ok(work);
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
+        let Some(wake) = wake.as_mut().filter(|_| !left.is_zero()) else {
             return Ok(StatusCode::NO_CONTENT.into_response());
-        }
+        };
         tokio::select! {
             _ = wake.changed() => {}
             () = tokio::time::sleep(NEXT_RECHECK.min(left)) => {}

@@ -331,6 +331,7 @@ pub async fn run(env: WorkerEnv) -> Result<(), WorkerError> {
         // An idle worker lets the gateway hold its ask until work comes (or a second
         // passes); a busy one only asks whether more may start beside its turns.
         let idle = turns.is_empty();
+        let asked = tokio::time::Instant::now();
         let ask = if idle {
             json!({"lease_generation": generation, "wait_ms": NEXT_WAIT_MS})
         } else {
@@ -371,8 +372,9 @@ pub async fn run(env: WorkerEnv) -> Result<(), WorkerError> {
                     }
                 });
             }
-            // The gateway waited for work and none came: ask again.
-            (204, _) if idle => {}
+            // The gateway waited the whole time for work and none came: ask again. An
+            // earlier 204 (a server shutting down) gets the pause below instead.
+            (204, _) if idle && asked.elapsed() >= Duration::from_millis(NEXT_WAIT_MS) => {}
             (204, _) => {
                 // Nothing to take now: ask again after a pause, or at once when a turn of
                 // this worker ends (the queue's next turn can start then).
