@@ -250,6 +250,17 @@ pub async fn first_frame(
     }
 }
 
+/// The server's `created_at` of an event's data.
+pub fn created_at(data: &Value) -> anyhow::Result<time::OffsetDateTime> {
+    let created = data["created_at"]
+        .as_str()
+        .context("an event without created_at")?;
+    Ok(time::OffsetDateTime::parse(
+        created,
+        &time::format_description::well_known::Rfc3339,
+    )?)
+}
+
 /// What a session's stream showed of a run of turns: when the last one completed, and the
 /// server's `created_at` of each submission's events.
 pub struct Completions {
@@ -276,15 +287,7 @@ pub async fn completions(
                 continue;
             };
             let kind = data["type"].as_str().unwrap_or("");
-            let at = || -> anyhow::Result<time::OffsetDateTime> {
-                let created = data["created_at"]
-                    .as_str()
-                    .context("an event without created_at")?;
-                Ok(time::OffsetDateTime::parse(
-                    created,
-                    &time::format_description::well_known::Rfc3339,
-                )?)
-            };
+            let at = || created_at(&data);
             let id = data["submission_id"].as_str().unwrap_or("").to_owned();
             if kind == "submission.started" {
                 started.insert(id, at()?);

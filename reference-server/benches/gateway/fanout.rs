@@ -6,11 +6,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
-use crate::client::{SseReader, frame_data};
+use crate::client::{SseReader, created_at, frame_data};
 use crate::servers::ServerProcess;
 
 /// Delivery to many subscribers of one stream.
@@ -131,11 +130,7 @@ async fn subscribe(
             };
             events += 1;
             if ends > 0 {
-                let created = data["created_at"]
-                    .as_str()
-                    .context("an event without created_at")?;
-                let created = OffsetDateTime::parse(created, &Rfc3339)?;
-                let micros = (received - created).whole_microseconds();
+                let micros = (received - created_at(&data)?).whole_microseconds();
                 samples.push(u64::try_from(micros).unwrap_or(0));
             }
             if data["type"] == round_end {

@@ -710,8 +710,8 @@ mod tests {
             );
         }
 
-        #[tokio::test]
-        async fn cursors_below_retention_are_refused_and_fresh_streams_start_after_it() {
+        /// Three output events and `exit`, the first two purged by retention.
+        async fn purged_through_two() -> EventLog {
             let log = log().await;
             for _ in 0..3 {
                 log.append("s", "stdout", &json!({"data": "x"}))
@@ -720,6 +720,12 @@ mod tests {
             }
             log.append("s", "exit", &json!({})).await.unwrap();
             log.store().purge_events("s", 2).await.unwrap();
+            log
+        }
+
+        #[tokio::test]
+        async fn cursors_below_retention_are_refused_and_fresh_streams_start_after_it() {
+            let log = purged_through_two().await;
             let refused = respond(&log, subject("s", true), Some(1), slot(), options()).await;
             assert!(matches!(refused, Err(SseError::CursorExpired)));
             let fresh = respond(&log, subject("s", true), None, slot(), options())
@@ -730,25 +736,11 @@ mod tests {
 
         #[tokio::test]
         async fn a_live_subjects_first_read_places_the_cursor_at_the_retention_edge() {
-            let log = log().await;
-            for _ in 0..3 {
-                log.append("s", "stdout", &json!({"data": "x"}))
-                    .await
-                    .unwrap();
-            }
-            log.append("s", "exit", &json!({})).await.unwrap();
-            log.store().purge_events("s", 2).await.unwrap();
-            // From another process's view, so that no read is served from this one's memory.
-            let other = EventLog::new(Arc::clone(log.store()));
+            // Nobody followed the log while it was written, so every read is the store's.
+            let log = purged_through_two().await;
             for expired in [0, 1] {
-                let refused = respond(
-                    &other,
-                    subject("s", false),
-                    Some(expired),
-                    slot(),
-                    options(),
-                )
-                .await;
+                let refused =
+                    respond(&log, subject("s", false), Some(expired), slot(), options()).await;
                 assert!(
                     matches!(refused, Err(SseError::CursorExpired)),
                     "cursor {expired}"
@@ -759,7 +751,7 @@ mod tests {
                 (Some(3), "id: 4\n"),
                 (None, "id: 3\n"),
             ] {
-                let response = respond(&other, subject("s", false), cursor, slot(), options())
+                let response = respond(&log, subject("s", false), cursor, slot(), options())
                     .await
                     .unwrap();
                 assert!(body(response).await.starts_with(first), "cursor {cursor:?}");
