@@ -9,14 +9,10 @@
 //!
 //! Without python3 or PyPI the tests say so and skip; under `CI=true` that is a failure.
 
-#[path = "support/command.rs"]
-mod command;
-#[path = "support/receipt.rs"]
-mod receipt;
-#[path = "support/runtime.rs"]
-mod runtime;
-#[path = "support/venv.rs"]
-mod venv;
+use crate::support::command;
+use crate::support::receipt;
+use crate::support::runtime;
+use crate::support::venv;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

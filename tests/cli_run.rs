@@ -3,12 +3,9 @@
 //! conformant (exit 0) with a verified evidence folder written; a server with a defect is not
 //! (exit 1) and the receipt names the failing scenario. Also `sandspec sweep`.
 
-#[path = "support/http.rs"]
-mod http;
-#[path = "support/owner.rs"]
-mod owner;
-#[path = "support/receipt.rs"]
-mod receipt;
+use crate::support::http;
+use crate::support::owner;
+use crate::support::receipt;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

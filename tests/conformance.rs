@@ -22,8 +22,8 @@
 //!
 //! Clean servers are started once per process and shared, one per store. Each negative control
 //! gets a server of its own with its defect, so what another scenario left behind cannot make
-//! it fail earlier than the step it names. Scenarios marked `exclusive` take a write lock so
-//! nothing else runs beside them.
+//! it fail earlier than the step it names. Scenarios marked `exclusive` take a write lock on
+//! the shared server they run on, so nothing else runs beside them there.
 
 #[path = "support/runtime.rs"]
 mod runtime;
@@ -41,11 +41,18 @@ use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
 /// Started servers by store key; dropped before exit so the child processes are killed.
-static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Target>>>> =
+static SERVERS: LazyLock<Mutex<HashMap<String, Shared>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// Serializes exclusive scenarios against everything else.
-static EXCLUSIVE: RwLock<()> = RwLock::new(());
+/// A clean server that many trials share, and the lock that lets an exclusive scenario run
+/// with nothing else in flight on it. What `exclusive` guards (a digest of all durable
+/// state, a principal's stream count, a provider's create delay) belongs to one server, so
+/// trials on other servers run on beside it.
+#[derive(Clone)]
+struct Shared {
+    target: Arc<Target>,
+    exclusive: Arc<RwLock<()>>,
+}
 
 /// Which server a trial runs against.
 #[derive(Clone, Copy)]
@@ -63,7 +70,7 @@ const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for a clean `store`; `None` when PostgreSQL is not
 /// installed.
-fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
+fn server(store: Store<'_>, api: Api) -> Option<Shared> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
@@ -75,9 +82,12 @@ fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
-    let target = Arc::new(start(store, api)?);
-    servers.insert(key, target.clone());
-    Some(target)
+    let shared = Shared {
+        target: Arc::new(start(store, api)?),
+        exclusive: Arc::default(),
+    };
+    servers.insert(key, shared.clone());
+    Some(shared)
 }
 
 /// Starts a reference server for `store`; `None` when PostgreSQL is not installed.
@@ -126,16 +136,24 @@ fn start(store: Store<'_>, api: Api) -> Option<Target> {
 
 /// Runs `scenario` on the shared clean server of `store`.
 fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
-    let Some(target) = server(store, api) else {
+    let Some(shared) = server(store, api) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
     };
-    run_on(&target, scenario)
+    let lock = &shared.exclusive;
+    if scenario.scenario.exclusive {
+        let _alone = lock.write().unwrap_or_else(|p| p.into_inner());
+        run_on(&shared.target, scenario)
+    } else {
+        let _beside = lock.read().unwrap_or_else(|p| p.into_inner());
+        run_on(&shared.target, scenario)
+    }
 }
 
 /// Runs `scenario` on a server of its own, stopped afterwards: a negative control must fail
-/// where it says, whatever other scenarios left on a server with the same defect.
+/// where it says, whatever other scenarios left on a server with the same defect. Nothing
+/// else runs on that server, so an exclusive scenario needs no lock here.
 fn run_alone(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
     let Some(target) = start(store, api) else {
         return Outcome::Skip {
@@ -148,11 +166,6 @@ fn run_alone(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
 }
 
 fn run_on(target: &Target, scenario: &LoadedScenario) -> Outcome {
-    let _guard: Box<dyn std::any::Any> = if scenario.scenario.exclusive {
-        Box::new(EXCLUSIVE.write().unwrap_or_else(|p| p.into_inner()))
-    } else {
-        Box::new(EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner()))
-    };
     let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
     RUNTIME
         .block_on(run_scenario(target, &scenario.scenario, &run_id))
@@ -285,7 +298,7 @@ fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
 
 /// How many trials run at once unless `--test-threads` or `RUST_TEST_THREADS` says: a trial
 /// spends most of its time waiting on a server (streams, timers, processes), not on a core.
-const DEFAULT_THREADS: usize = 4;
+const DEFAULT_THREADS: usize = 8;
 
 fn main() {
     let mut args = Arguments::from_args();
@@ -356,7 +369,7 @@ fn main() {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .drain()
-        .map(|(_, t)| t)
+        .map(|(_, s)| s.target)
         .collect();
     RUNTIME.block_on(async move { drop(servers) });
     conclusion.exit();

@@ -2,10 +2,8 @@
 //! `verify` catches tampering and pasted tokens, receipts satisfy the published schema, the
 //! honesty rules hold, and an independent scanner (detect-secrets) finds nothing.
 
-#[path = "support/command.rs"]
-mod command;
-#[path = "support/venv.rs"]
-mod venv;
+use crate::support::command;
+use crate::support::venv;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

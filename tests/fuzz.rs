@@ -26,10 +26,8 @@
 //! (no python3, no network) the test is skipped with a message, except under `CI=true`, where
 //! it fails. PostgreSQL is skipped when not installed, unless `SANDSPEC_REQUIRE_POSTGRES=1`.
 
-#[path = "support/serve.rs"]
-mod serve;
-#[path = "support/venv.rs"]
-mod venv;
+use crate::support::serve;
+use crate::support::venv;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

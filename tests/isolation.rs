@@ -13,10 +13,8 @@ use reqwest::Client;
 use serde_json::json;
 use tokio::process::{Child, Command};
 
-#[path = "support/http.rs"]
-mod http;
-#[path = "support/serve.rs"]
-mod serve;
+use crate::support::http;
+use crate::support::serve;
 
 const ALICE: &str = "alice-isolation-token";
 

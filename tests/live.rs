@@ -4,12 +4,9 @@
 //! sweep`; a scenario that leaves something behind fails at its `leak check`, and the sweep
 //! then removes what it left.
 
-#[path = "support/faulty_proxy.rs"]
-mod faulty_proxy;
-#[path = "support/owner.rs"]
-mod owner;
-#[path = "support/receipt.rs"]
-mod receipt;
+use crate::support::faulty_proxy;
+use crate::support::owner;
+use crate::support::receipt;
 
 use owner::{create, status};
 use receipt::{scenario, verdict};

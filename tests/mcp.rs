@@ -6,8 +6,7 @@
 #[expect(dead_code, reason = "the shared helpers serve several test binaries")]
 #[path = "../reference-server/tests/support/mod.rs"]
 mod server_support;
-#[path = "support/venv.rs"]
-mod venv;
+use crate::support::venv;
 
 use std::time::Duration;
 

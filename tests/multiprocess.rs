@@ -14,8 +14,7 @@ use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
-#[path = "support/serve.rs"]
-mod serve;
+use crate::support::serve;
 
 const ALICE: &str = "alice-multiprocess-token";
 const ADMIN: &str = "admin-multiprocess-token";

@@ -2,7 +2,7 @@
 //! against the reference server through the test proxy of `support/proxy.rs`, which adds
 //! latency and holds its upstream connections a moment after their clients have gone.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -4,8 +4,7 @@
 //!
 //! Also [`silent_target`]: a listener that answers `GET /v1/capabilities` and nothing else.
 
-#[path = "listening.rs"]
-mod listening;
+use super::listening;
 
 use std::convert::Infallible;
 use std::sync::Arc;

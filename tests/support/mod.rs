@@ -1,3 +1,13 @@
-//! Helpers shared by the runner's integration tests.
+//! Helpers shared by the runner's integration tests (`tests/integration.rs`). The conformance
+//! harness and the reference server's tests include the one or two they need by path.
 
+pub mod command;
+pub mod faulty_proxy;
+pub mod http;
+pub mod listening;
+pub mod owner;
 pub mod proxy;
+pub mod receipt;
+pub mod runtime;
+pub mod serve;
+pub mod venv;

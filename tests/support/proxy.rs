@@ -9,8 +9,7 @@
 //! middle of one (a dropped event stream), the proxy keeps reading the upstream body for
 //! [`HOLD`] before it lets the upstream connection go.
 
-#[path = "listening.rs"]
-mod listening;
+use super::listening;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -2,9 +2,10 @@
 //! software. Shared by the test binaries of both crates (the reference server's include it by
 //! path).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The executable `exe` of the virtualenv `name` with the pinned `packages` (see [`pinned`]),
 /// under the test binary's `CARGO_TARGET_TMPDIR`; `None` as with [`pinned`].
@@ -18,9 +19,16 @@ pub fn executable(name: &str, packages: &[&str], exe: &str) -> Option<PathBuf> {
 /// packages were installed completely. `None` when it cannot be had: a visible skip, except
 /// under `CI=true`, where it is a failure. Returns the virtualenv's directory.
 pub fn pinned(target_tmp: &str, name: &str, packages: &[&str]) -> Option<PathBuf> {
-    // The tests of one binary that need the same virtualenv wait for the one that installs it.
-    static INSTALL: Mutex<()> = Mutex::new(());
-    let _guard = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+    // The tests of one binary that need the same virtualenv wait for the one that installs it;
+    // other virtualenvs install beside it.
+    static INSTALLS: Mutex<BTreeMap<String, Arc<Mutex<()>>>> = Mutex::new(BTreeMap::new());
+    let install = INSTALLS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(name.to_owned())
+        .or_default()
+        .clone();
+    let _guard = install.lock().unwrap_or_else(|p| p.into_inner());
     let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
     let what = packages.join(" ");
     let unavailable = |why: String| {
