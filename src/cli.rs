@@ -131,9 +131,11 @@ pub struct RunArgs {
     /// match selects).
     #[arg(long, value_name = "SUBSTR")]
     pub filter: Vec<String>,
-    /// Scenarios run at once (exclusive scenarios always run alone).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub jobs: u32,
+    /// Scenarios run at once [default: 8 against the reference server the runner starts, 4
+    /// against --target or --launch]. An exclusive scenario runs alone: on a deployment of its
+    /// own beside the others where the runner can start one, otherwise after them.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub jobs: Option<u32>,
     /// Run only shard i of n (1-based), e.g. `2/4`.
     #[arg(long, value_name = "I/N", value_parser = parse_shard)]
     pub shard: Option<Shard>,
@@ -668,7 +670,8 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         &target,
         &selected,
         &run_id,
-        args.jobs as usize,
+        args.jobs
+            .map_or_else(|| default_jobs(&target), |j| j as usize),
         args.retries,
         &stop,
         started,
@@ -795,8 +798,16 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     })
 }
 
-/// Runs non-exclusive scenarios `jobs` at a time, then exclusive ones alone; results come
-/// back in the order of `scenarios`.
+/// How many scenarios run at once without `--jobs`: the reference server the runner started
+/// waits far more than it computes, so eight; a deployment of someone else's, four, to stay
+/// gentle on a live platform's rate limits.
+fn default_jobs(target: &Target) -> usize {
+    if target.launcher.is_some() { 8 } else { 4 }
+}
+
+/// Runs scenarios `jobs` at a time, exclusive ones among them where each gets a deployment of
+/// its own ([`Target::isolates_exclusive`]), otherwise after the others, one at a time;
+/// results come back in the order of `scenarios`.
 pub async fn run_all(
     target: &Arc<Target>,
     scenarios: &[LoadedScenario],
@@ -837,11 +848,8 @@ pub async fn run_until_stopped(
     let mut results: Vec<Option<crate::engine::ScenarioRun>> = vec![None; scenarios.len()];
     let semaphore = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
     let mut set = tokio::task::JoinSet::new();
-    for (i, s) in scenarios
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| !s.scenario.exclusive)
-    {
+    let alone = |s: &LoadedScenario| s.scenario.exclusive && !target.isolates_exclusive();
+    for (i, s) in scenarios.iter().enumerate().filter(|(_, s)| !alone(s)) {
         let permit = semaphore
             .clone()
             .acquire_owned()
@@ -871,11 +879,7 @@ pub async fn run_until_stopped(
         progress.done(&scenarios[i], &r);
         results[i] = Some(r);
     }
-    for (i, s) in scenarios
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.scenario.exclusive)
-    {
+    for (i, s) in scenarios.iter().enumerate().filter(|(_, s)| alone(s)) {
         if stop.load(Ordering::SeqCst) {
             break;
         }

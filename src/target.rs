@@ -735,6 +735,15 @@ impl Target {
         self.control.is_some() && self.capabilities.has("test_clock") && self.tokens.admin.is_some()
     }
 
+    /// Whether an `exclusive` scenario runs on a deployment of its own, started like this
+    /// target, where nothing else is in flight: so it need not wait for the others, nor they
+    /// for it. Only for a target the runner started from a launcher (the reference server);
+    /// on a URL target, and on a launched service (which the runner cannot duplicate), it runs
+    /// alone after the others.
+    pub fn isolates_exclusive(&self) -> bool {
+        self.control.is_none() && self.launcher.is_some() && !self.can_restart()
+    }
+
     /// Whether a scenario that moves the clock gets a movable clock: here, or on a
     /// deployment of its own that the runner starts like this one.
     pub fn clock_movable_here_or_own(&self) -> bool {

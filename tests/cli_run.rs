@@ -1012,3 +1012,101 @@ async fn advance_clock_waits_real_time_on_a_shared_target() {
     .await;
     assert_eq!(moved["offset_ms"], 1, "{moved}");
 }
+
+fn loaded(id: &str, text: &str) -> sandspec::scenario::LoadedScenario {
+    let file = PathBuf::from(format!("{id}.yaml"));
+    sandspec::scenario::LoadedScenario {
+        scenario: sandspec::scenario::parse_str(&file, text).unwrap(),
+        file,
+        family: "lifecycle".into(),
+    }
+}
+
+/// An exclusive scenario whose digest of all durable state must not change for 1.5 s.
+fn digest_kept(id: &str) -> sandspec::scenario::LoadedScenario {
+    let text = format!(
+        "id: {id}\ntitle: keeps a digest\nclauses: [SBX-3.1]\nlevel: SHOULD\n\
+         requires: [test_controls, expiry_hold, admin_token]\nexclusive: true\nsteps:\n\
+         \x20 - digest: {{into: before}}\n\
+         \x20 - sleep: {{ms: 1500}}\n\
+         \x20 - expect_digest_unchanged: {{since: before}}\n"
+    );
+    loaded(id, &text)
+}
+
+/// A scenario that creates a sandbox after 300 ms and kills it 1.2 s later.
+fn creator(id: &str) -> sandspec::scenario::LoadedScenario {
+    let text = format!(
+        "id: {id}\ntitle: creates a sandbox\nclauses: [SBX-3.1]\nlevel: SHOULD\nsteps:\n\
+         \x20 - sleep: {{ms: 300}}\n\
+         \x20 - request:\n\
+         \x20     method: POST\n\
+         \x20     path: /v1/sandboxes\n\
+         \x20     json: {{metadata: {{sandspec_run: \"{{{{run_id}}}}\"}}}}\n\
+         \x20     expect: {{status: 201}}\n\
+         \x20     capture: {{sbx: {{json: /id}}}}\n\
+         \x20 - sleep: {{ms: 1200}}\n\
+         cleanup:\n\
+         \x20 - request: {{method: DELETE, path: \"/v1/sandboxes/{{{{sbx}}}}\", expect: {{status_in: [204, 404]}}}}\n"
+    );
+    loaded(id, &text)
+}
+
+/// An exclusive scenario runs beside the others on a deployment of its own where the runner
+/// started the target, and after them, on the target itself, where it did not (a URL target).
+/// The exclusive one comes first in the catalog, so only the runner's choice can hold it back;
+/// its digest would change if the other's sandbox were created on the same server.
+#[tokio::test]
+async fn an_exclusive_scenario_runs_beside_the_others_only_on_a_deployment_of_its_own() {
+    use std::sync::Arc;
+
+    use sandspec::cli::run_all;
+    use sandspec::engine::Outcome;
+    use sandspec::target::Target;
+
+    let scenarios = [digest_kept("TST-ALONE-001"), creator("TST-BESIDE-001")];
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let started = Arc::new(Target::start_reference(&options).await.unwrap());
+    assert!(started.isolates_exclusive());
+    let runs = run_all(&started, &scenarios, "alone", 2, 0).await;
+    let (alone, beside) = (&runs[0], &runs[1]);
+    assert!(
+        alone.outcome == Outcome::Pass && beside.outcome == Outcome::Pass,
+        "{:?} {:?}",
+        alone.outcome,
+        beside.outcome
+    );
+    assert!(
+        alone.started_ms < beside.started_ms + beside.duration_ms,
+        "on a deployment of its own the exclusive scenario runs beside the other: \
+         it started at {} ms, the other ran from {} ms for {} ms",
+        alone.started_ms,
+        beside.started_ms,
+        beside.duration_ms
+    );
+
+    let url = Target::connect_with_tokens(&started.base_url, started.tokens.clone(), None)
+        .await
+        .unwrap();
+    let url = Arc::new(url);
+    assert!(!url.isolates_exclusive());
+    let runs = run_all(&url, &scenarios, "after", 2, 0).await;
+    let (alone, beside) = (&runs[0], &runs[1]);
+    assert!(
+        alone.outcome == Outcome::Pass && beside.outcome == Outcome::Pass,
+        "{:?} {:?}",
+        alone.outcome,
+        beside.outcome
+    );
+    assert!(
+        alone.started_ms >= beside.started_ms + beside.duration_ms,
+        "on a URL target the exclusive scenario runs after the other: it started at {} ms, \
+         the other ran from {} ms for {} ms",
+        alone.started_ms,
+        beside.started_ms,
+        beside.duration_ms
+    );
+}

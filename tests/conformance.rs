@@ -22,8 +22,9 @@
 //!
 //! Clean servers are started once per process and shared, one per store. Each negative control
 //! gets a server of its own with its defect, so what another scenario left behind cannot make
-//! it fail earlier than the step it names. Scenarios marked `exclusive` take a write lock on
-//! the shared server they run on, so nothing else runs beside them there.
+//! it fail earlier than the step it names. A scenario marked `exclusive` runs on a deployment
+//! the engine starts for it alone (`Target::isolates_exclusive`); were that not so, it would
+//! take a write lock on the shared server it runs on, so that nothing else ran beside it there.
 
 #[path = "support/runtime.rs"]
 mod runtime;
@@ -141,8 +142,10 @@ fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
             reason: NO_POSTGRES.into(),
         };
     };
+    // Where the engine gives an exclusive scenario a deployment of its own, nothing needs to
+    // wait for it here.
     let lock = &shared.exclusive;
-    if scenario.scenario.exclusive {
+    if scenario.scenario.exclusive && !shared.target.isolates_exclusive() {
         let _alone = lock.write().unwrap_or_else(|p| p.into_inner());
         run_on(&shared.target, scenario)
     } else {
@@ -296,15 +299,17 @@ fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
     }
 }
 
-/// How many trials run at once unless `--test-threads` or `RUST_TEST_THREADS` says: a trial
-/// spends most of its time waiting on a server (streams, timers, processes), not on a core.
-const DEFAULT_THREADS: usize = 8;
+/// How many trials run at once unless `--test-threads` or `SANDSPEC_TEST_THREADS` says: a
+/// trial spends most of its time waiting on a server (streams, timers, processes), not on a
+/// core. Not `RUST_TEST_THREADS`, which `.cargo/config.toml` sets lower for the binaries whose
+/// tests compute more.
+const DEFAULT_THREADS: usize = 10;
 
 fn main() {
     let mut args = Arguments::from_args();
     if args.test_threads.is_none() {
         args.test_threads = Some(
-            std::env::var("RUST_TEST_THREADS")
+            std::env::var("SANDSPEC_TEST_THREADS")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DEFAULT_THREADS),

@@ -104,11 +104,15 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     // reapers expire nothing of the shared database.
     let clock =
         moves_clock(scenario) && target.control.is_none() && target.clock_movable_here_or_own();
-    if (server_control || database_control || clock)
+    // And so does an exclusive scenario where the runner can start one, so that it runs beside
+    // the others instead of after them; on PostgreSQL with a database of its own, since what
+    // it compares (a digest of all durable state) covers the whole database.
+    let alone = scenario.exclusive && target.isolates_exclusive();
+    if (server_control || database_control || clock || alone)
         && target.control.is_none()
         && !target.can_restart()
     {
-        let database = database_control || (clock && target.database_controllable());
+        let database = database_control || ((clock || alone) && target.database_controllable());
         return match target.start_controlled(database).await {
             Some(Ok(own)) => {
                 let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;
