@@ -4,7 +4,8 @@
 //! The scenario catalog's trials are the other binary, `tests/conformance.rs`.
 //!
 //! Every `tests/*.rs` is a module here or the conformance harness (the package sets
-//! `autotests = false`); `every_test_file_is_built` fails on one that is neither.
+//! `autotests = false`); `every_test_file_is_built` fails on one that is neither, here and in
+//! `reference-server/tests/`.
 
 mod support;
 
@@ -20,22 +21,36 @@ mod proxy;
 mod report;
 mod tls;
 
-/// A file of `tests/` that is neither a module here nor the conformance harness would never be
-/// compiled, and its tests would silently not run.
+/// A file of `tests/` that is neither a module of its package's integration binary nor a
+/// binary of its own (the packages set `autotests = false`) would never be compiled, and its
+/// tests would silently not run.
 #[test]
 fn every_test_file_is_built() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    let this = std::fs::read_to_string(root.join("integration.rs")).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut strays = Vec::new();
-    for entry in std::fs::read_dir(&root).unwrap() {
-        let name = entry.unwrap().file_name().into_string().unwrap();
-        let Some(module) = name.strip_suffix(".rs") else {
-            continue;
-        };
-        if !matches!(module, "integration" | "conformance")
-            && !this.contains(&format!("\nmod {module};\n"))
-        {
-            strays.push(name);
+    for (dir, own) in [
+        ("tests", "conformance"),
+        ("reference-server/tests", "clock"),
+    ] {
+        let dir = root.join(dir);
+        let modules = std::fs::read_to_string(dir.join("integration.rs")).unwrap();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let Some(module) = path
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .strip_suffix(".rs")
+            else {
+                continue;
+            };
+            if module != "integration"
+                && module != own
+                && !modules.contains(&format!("\nmod {module};\n"))
+            {
+                strays.push(path.strip_prefix(root).unwrap().display().to_string());
+            }
         }
     }
     assert!(

@@ -1,6 +1,6 @@
 //! The HTTP API of the reference server, exercised over real TCP: one server per test.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

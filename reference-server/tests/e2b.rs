@@ -2,8 +2,7 @@
 //! Connect services and `/files` over HTTP, the E2B defects, and the real E2B Python SDK
 //! driving the server (installed from PyPI into a venv; required under `CI`).
 
-#[expect(dead_code, reason = "the shared helpers serve several test binaries")]
-mod support;
+use crate::support;
 #[path = "../../tests/support/venv.rs"]
 mod venv;
 

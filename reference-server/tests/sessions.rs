@@ -1,8 +1,7 @@
 //! The Agents Sessions gateway over real HTTP, with real worker processes inside real
 //! sandboxes and the fixture model server replaying scripted turns.
 
-#[expect(dead_code, reason = "the shared helpers serve several test binaries")]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
