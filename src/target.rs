@@ -737,11 +737,18 @@ impl Target {
 
     /// Whether an `exclusive` scenario runs on a deployment of its own, started like this
     /// target, where nothing else is in flight: so it need not wait for the others, nor they
-    /// for it. Only for a target the runner started from a launcher (the reference server);
-    /// on a URL target, and on a launched service (which the runner cannot duplicate), it runs
-    /// alone after the others.
+    /// for it. Only for a target the runner started from a launcher (the reference server),
+    /// and on PostgreSQL only where it can start a private cluster for that deployment; on a
+    /// URL target, on a launched service (which the runner cannot duplicate) and on a
+    /// PostgreSQL database without the programs for a cluster of its own, it runs alone after
+    /// the others.
     pub fn isolates_exclusive(&self) -> bool {
-        self.control.is_none() && self.launcher.is_some() && !self.can_restart()
+        self.control.is_none()
+            && !self.can_restart()
+            && self
+                .launcher
+                .as_ref()
+                .is_some_and(|l| l.database_url.is_none() || pg_cluster::PgCluster::installed())
     }
 
     /// Whether a scenario that moves the clock gets a movable clock: here, or on a

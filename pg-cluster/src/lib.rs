@@ -65,20 +65,33 @@ extern "C" fn cleanup_shared_at_exit() {
     }
 }
 
+/// The programs a private cluster needs: `initdb`, `pg_ctl` and `createdb` (and `postgres`,
+/// which `pg_ctl` starts).
+fn programs() -> Result<(PathBuf, PathBuf, PathBuf), PgError> {
+    let initdb = find_on_path("initdb").ok_or(PgError::NotInstalled("initdb"))?;
+    let pg_ctl = find_on_path("pg_ctl").ok_or(PgError::NotInstalled("pg_ctl"))?;
+    find_on_path("postgres").ok_or(PgError::NotInstalled("postgres"))?;
+    // `pg_ctl` on PATH is often a link into the installation's own directory, which holds
+    // the client programs of the same version.
+    let createdb = std::fs::canonicalize(&pg_ctl)
+        .ok()
+        .and_then(|p| Some(p.parent()?.join("createdb")))
+        .filter(|p| is_executable(p))
+        .or_else(|| find_on_path("createdb"))
+        .ok_or(PgError::NotInstalled("createdb"))?;
+    Ok((initdb, pg_ctl, createdb))
+}
+
 impl PgCluster {
+    /// Whether the programs a private cluster needs are installed, so that [`Self::launch`]
+    /// gets past looking for them.
+    pub fn installed() -> bool {
+        programs().is_ok()
+    }
+
     /// Starts a private cluster.
     pub fn launch() -> Result<Self, PgError> {
-        let initdb = find_on_path("initdb").ok_or(PgError::NotInstalled("initdb"))?;
-        let pg_ctl = find_on_path("pg_ctl").ok_or(PgError::NotInstalled("pg_ctl"))?;
-        find_on_path("postgres").ok_or(PgError::NotInstalled("postgres"))?;
-        // `pg_ctl` on PATH is often a link into the installation's own directory, which holds
-        // the client programs of the same version.
-        let createdb = std::fs::canonicalize(&pg_ctl)
-            .ok()
-            .and_then(|p| Some(p.parent()?.join("createdb")))
-            .filter(|p| is_executable(p))
-            .or_else(|| find_on_path("createdb"))
-            .ok_or(PgError::NotInstalled("createdb"))?;
+        let (initdb, pg_ctl, createdb) = programs()?;
         // SAFETY: geteuid has no preconditions and cannot fail.
         let as_postgres = unsafe { libc::geteuid() } == 0;
 
