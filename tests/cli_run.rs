@@ -1052,6 +1052,26 @@ fn creator(id: &str) -> sandspec::scenario::LoadedScenario {
     loaded(id, &text)
 }
 
+/// Runs the two `scenarios`, two at a time, and checks that both pass.
+async fn both_pass(
+    target: &std::sync::Arc<sandspec::target::Target>,
+    scenarios: &[sandspec::scenario::LoadedScenario; 2],
+) -> (sandspec::engine::ScenarioRun, sandspec::engine::ScenarioRun) {
+    use sandspec::engine::Outcome;
+
+    let [alone, beside]: [_; 2] = sandspec::cli::run_all(target, scenarios, "both", 2, 0)
+        .await
+        .try_into()
+        .expect("two runs");
+    assert!(
+        alone.outcome == Outcome::Pass && beside.outcome == Outcome::Pass,
+        "{:?} {:?}",
+        alone.outcome,
+        beside.outcome
+    );
+    (alone, beside)
+}
+
 /// An exclusive scenario runs beside the others on a deployment of its own where the runner
 /// started the target, and after them, on the target itself, where it did not (a URL target).
 /// The exclusive one comes first in the catalog, so only the runner's choice can hold it back;
@@ -1060,8 +1080,6 @@ fn creator(id: &str) -> sandspec::scenario::LoadedScenario {
 async fn an_exclusive_scenario_runs_beside_the_others_only_on_a_deployment_of_its_own() {
     use std::sync::Arc;
 
-    use sandspec::cli::run_all;
-    use sandspec::engine::Outcome;
     use sandspec::target::Target;
 
     let scenarios = [digest_kept("TST-ALONE-001"), creator("TST-BESIDE-001")];
@@ -1071,14 +1089,7 @@ async fn an_exclusive_scenario_runs_beside_the_others_only_on_a_deployment_of_it
     };
     let started = Arc::new(Target::start_reference(&options).await.unwrap());
     assert!(started.isolates_exclusive());
-    let runs = run_all(&started, &scenarios, "alone", 2, 0).await;
-    let (alone, beside) = (&runs[0], &runs[1]);
-    assert!(
-        alone.outcome == Outcome::Pass && beside.outcome == Outcome::Pass,
-        "{:?} {:?}",
-        alone.outcome,
-        beside.outcome
-    );
+    let (alone, beside) = both_pass(&started, &scenarios).await;
     assert!(
         alone.started_ms < beside.started_ms + beside.duration_ms,
         "on a deployment of its own the exclusive scenario runs beside the other: \
@@ -1093,14 +1104,7 @@ async fn an_exclusive_scenario_runs_beside_the_others_only_on_a_deployment_of_it
         .unwrap();
     let url = Arc::new(url);
     assert!(!url.isolates_exclusive());
-    let runs = run_all(&url, &scenarios, "after", 2, 0).await;
-    let (alone, beside) = (&runs[0], &runs[1]);
-    assert!(
-        alone.outcome == Outcome::Pass && beside.outcome == Outcome::Pass,
-        "{:?} {:?}",
-        alone.outcome,
-        beside.outcome
-    );
+    let (alone, beside) = both_pass(&url, &scenarios).await;
     assert!(
         alone.started_ms >= beside.started_ms + beside.duration_ms,
         "on a URL target the exclusive scenario runs after the other: it started at {} ms, \
