@@ -303,7 +303,7 @@ fn in_catalog(s: &LoadedScenario, root: &std::path::Path, api: Api) -> bool {
 /// trial spends most of its time waiting on a server (streams, timers, processes), not on a
 /// core. Not `RUST_TEST_THREADS`, which `.cargo/config.toml` sets lower for the binaries whose
 /// tests compute more.
-const DEFAULT_THREADS: usize = 10;
+const DEFAULT_THREADS: usize = 8;
 
 fn main() {
     let mut args = Arguments::from_args();
