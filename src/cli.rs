@@ -848,7 +848,8 @@ pub async fn run_until_stopped(
     let mut results: Vec<Option<crate::engine::ScenarioRun>> = vec![None; scenarios.len()];
     let semaphore = Arc::new(tokio::sync::Semaphore::new(jobs.max(1)));
     let mut set = tokio::task::JoinSet::new();
-    let alone = |s: &LoadedScenario| s.scenario.exclusive && !target.isolates_exclusive();
+    let isolated = target.isolates_exclusive();
+    let alone = |s: &LoadedScenario| s.scenario.exclusive && !isolated;
     for (i, s) in scenarios.iter().enumerate().filter(|(_, s)| !alone(s)) {
         let permit = semaphore
             .clone()

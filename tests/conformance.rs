@@ -23,15 +23,15 @@
 //! Clean servers are started once per process and shared, one per store. Each negative control
 //! gets a server of its own with its defect, so what another scenario left behind cannot make
 //! it fail earlier than the step it names. A scenario marked `exclusive` runs on a deployment
-//! the engine starts for it alone (`Target::isolates_exclusive`); were that not so, it would
-//! take a write lock on the shared server it runs on, so that nothing else ran beside it there.
+//! the engine starts for it alone (`Target::isolates_exclusive`, which the harness asserts of
+//! every shared server), so nothing else runs beside it there.
 
 #[path = "support/runtime.rs"]
 mod runtime;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, LazyLock, Mutex, RwLock};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 use reference_server::defects::Defect;
@@ -42,18 +42,8 @@ use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir_partial};
 use sandspec::target::{ReferenceOptions, Target};
 
 /// Started servers by store key; dropped before exit so the child processes are killed.
-static SERVERS: LazyLock<Mutex<HashMap<String, Shared>>> =
+static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Target>>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
-
-/// A clean server that many trials share, and the lock that lets an exclusive scenario run
-/// with nothing else in flight on it. What `exclusive` guards (a digest of all durable
-/// state, a principal's stream count, a provider's create delay) belongs to one server, so
-/// trials on other servers run on beside it.
-#[derive(Clone)]
-struct Shared {
-    target: Arc<Target>,
-    exclusive: Arc<RwLock<()>>,
-}
 
 /// Which server a trial runs against.
 #[derive(Clone, Copy)]
@@ -71,7 +61,7 @@ const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for a clean `store`; `None` when PostgreSQL is not
 /// installed.
-fn server(store: Store<'_>, api: Api) -> Option<Shared> {
+fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
@@ -83,12 +73,9 @@ fn server(store: Store<'_>, api: Api) -> Option<Shared> {
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
-    let shared = Shared {
-        target: Arc::new(start(store, api)?),
-        exclusive: Arc::default(),
-    };
-    servers.insert(key, shared.clone());
-    Some(shared)
+    let target = Arc::new(start(store, api)?);
+    servers.insert(key, target.clone());
+    Some(target)
 }
 
 /// Starts a reference server for `store`; `None` when PostgreSQL is not installed.
@@ -137,26 +124,22 @@ fn start(store: Store<'_>, api: Api) -> Option<Target> {
 
 /// Runs `scenario` on the shared clean server of `store`.
 fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
-    let Some(shared) = server(store, api) else {
+    let Some(target) = server(store, api) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
     };
-    // Where the engine gives an exclusive scenario a deployment of its own, nothing needs to
-    // wait for it here.
-    let lock = &shared.exclusive;
-    if scenario.scenario.exclusive && !shared.target.isolates_exclusive() {
-        let _alone = lock.write().unwrap_or_else(|p| p.into_inner());
-        run_on(&shared.target, scenario)
-    } else {
-        let _beside = lock.read().unwrap_or_else(|p| p.into_inner());
-        run_on(&shared.target, scenario)
-    }
+    // The engine runs an exclusive scenario on a deployment of its own, so nothing on the
+    // shared server needs to wait for it; this harness has no other way to keep it alone.
+    assert!(
+        !scenario.scenario.exclusive || target.isolates_exclusive(),
+        "the shared server cannot give exclusive scenarios a deployment of their own"
+    );
+    run_on(&target, scenario)
 }
 
 /// Runs `scenario` on a server of its own, stopped afterwards: a negative control must fail
-/// where it says, whatever other scenarios left on a server with the same defect. Nothing
-/// else runs on that server, so an exclusive scenario needs no lock here.
+/// where it says, whatever other scenarios left on a server with the same defect.
 fn run_alone(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
     let Some(target) = start(store, api) else {
         return Outcome::Skip {
@@ -374,7 +357,7 @@ fn main() {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .drain()
-        .map(|(_, s)| s.target)
+        .map(|(_, t)| t)
         .collect();
     RUNTIME.block_on(async move { drop(servers) });
     conclusion.exit();
