@@ -850,7 +850,23 @@ pub async fn run_until_stopped(
     let mut set = tokio::task::JoinSet::new();
     let isolated = target.isolates_exclusive();
     let alone = |s: &LoadedScenario| s.scenario.exclusive && !isolated;
-    for (i, s) in scenarios.iter().enumerate().filter(|(_, s)| !alone(s)) {
+    // The scenarios that wait longest (a retention or a stream's bound waited out in real
+    // time) start first, so that their waits overlap the others instead of ending the run.
+    let mut pool: Vec<(usize, &LoadedScenario)> = scenarios
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !alone(s))
+        .collect();
+    let clock_movable = target.clock_movable_here_or_own();
+    pool.sort_by_cached_key(|(_, s)| {
+        std::cmp::Reverse(
+            crate::engine::waits::waits(&s.scenario, &target.capabilities, clock_movable)
+                .iter()
+                .map(|w| w.seconds)
+                .sum::<u64>(),
+        )
+    });
+    for (i, s) in pool {
         let permit = semaphore
             .clone()
             .acquire_owned()
