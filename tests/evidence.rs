@@ -1805,7 +1805,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
 /// run folder: it verifies, holds none of the run's tokens, and detect-secrets finds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_run_writes_a_verified_folder() {
-    let run = real_run(&[], 2).await;
+    let run = real_run(&[], 8).await;
     let verified = verify(&run.dest);
     assert!(verified.ok(), "{:?}", verified.problems);
     for (name, bytes) in files(&run.dest) {

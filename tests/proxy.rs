@@ -46,7 +46,7 @@ async fn the_whole_catalog_through_a_reverse_proxy_is_conformant() {
             });
     assert!(left_out.len() <= 5, "almost the whole catalog runs");
     let run_id = ulid::Ulid::new().to_string().to_lowercase();
-    let results = run_all(&Arc::new(target), &scenarios, &run_id, 4, 0).await;
+    let results = run_all(&Arc::new(target), &scenarios, &run_id, 8, 0).await;
     let reports: Vec<ScenarioReport> = scenarios
         .iter()
         .zip(results)
