@@ -487,6 +487,7 @@ pub async fn events(
         known_live: false,
         filter: None,
         on_delivered,
+        head: None,
     };
     let options = Options {
         heartbeat: std::time::Duration::from_secs(limits.heartbeat_interval_s),

@@ -51,18 +51,26 @@ async fn authenticate(
         if !plausible_id(sid, "ses_") {
             return Err(ApiError::PermissionDenied);
         }
-        let secret = match gw
-            .state
-            .store
-            .get(Kind::Session, Scope::System, sid)
-            .await?
-        {
-            Some(rec) => rec
-                .body
-                .get("bridge_secret")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
-            None => None,
+        // The secret never changes: once a request has been verified with the store's copy,
+        // this process keeps it (see `SessionRt::bridge_secret`).
+        let known = gw
+            .rt_if_known(sid)
+            .and_then(|rt| rt.bridge_secret.get().cloned());
+        let secret = match known {
+            Some(secret) => Some(secret),
+            None => match gw
+                .state
+                .store
+                .get(Kind::Session, Scope::System, sid)
+                .await?
+            {
+                Some(rec) => rec
+                    .body
+                    .get("bridge_secret")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+                None => None,
+            },
         };
         let Some(secret) = secret else {
             return Err(ApiError::PermissionDenied);
@@ -71,6 +79,7 @@ async fn authenticate(
         if !verify(&secret, method.as_str(), target, &body, ts, sig, now_s) {
             return Err(ApiError::PermissionDenied);
         }
+        gw.rt(sid).bridge_secret.get_or_init(|| secret);
     }
     let revision = header(REVISION_HEADER).unwrap_or("");
     if revision.trim().is_empty() && !state.config.defects.has(Defect::EmptyRevisionAccepted) {
@@ -305,12 +314,7 @@ async fn take_next(
     {
         return Ok(None);
     }
-    let Some((mut rec, mut sub)) = gw
-        .submissions(sid, Some("queued"))
-        .await?
-        .into_iter()
-        .next()
-    else {
+    let Some((mut rec, mut sub)) = gw.next_queued(sid).await? else {
         return Ok(None);
     };
     let manifest = gw.artifact_manifest(&loaded.doc.sandbox_id).await;

@@ -31,10 +31,10 @@ pub async fn session_events(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
-    owned_session(&gw, &caller.principal, &sid).await?;
     let q = query_pairs(query.as_deref());
     let stream = session_stream(&sid);
     if q.get("format").map(String::as_str) == Some("json") {
+        owned_session(&gw, &caller.principal, &sid).await?;
         // The JSON form takes the same cursor as the stream (SSE-7.10): a `Last-Event-ID`
         // header, checked alike, wins over `after`.
         let resume = match headers.get("last-event-id") {
@@ -50,6 +50,20 @@ pub async fn session_events(
         )
         .await;
     }
+    // The stream's first read of the log does not depend on the session lookup: the two run
+    // at once, and the read is dropped unless the lookup finds the caller's session. A cursor
+    // that does not parse is refused after the lookup, as any other bad request.
+    let (found, head) = match sse::parse_cursor(&headers, q.get("after").map(String::as_str)) {
+        Ok(cursor) => {
+            let (found, head) = tokio::join!(
+                owned_session(&gw, &caller.principal, &sid),
+                sse::Head::read(&state.log, &stream, cursor)
+            );
+            (found, Some(head))
+        }
+        Err(_) => (owned_session(&gw, &caller.principal, &sid).await, None),
+    };
+    found?;
     let subject = Subject {
         stream,
         is_terminal: Box::new(|e| e.kind == "session.deleted"),
@@ -58,6 +72,7 @@ pub async fn session_events(
         known_live: true,
         filter: None,
         on_delivered: None,
+        head,
     };
     sse_response(&state, &caller, &headers, &q, subject).await
 }
@@ -86,6 +101,7 @@ pub async fn submission_events(
             known_live: false,
             filter: Some(of_submission(&id)),
             on_delivered: None,
+            head: None,
         }
     } else {
         let own = of_submission(&id);
@@ -97,6 +113,7 @@ pub async fn submission_events(
             filter: (!defects.has(Defect::SubmissionStreamLeaksOtherEvents))
                 .then(|| of_submission(&id)),
             on_delivered: None,
+            head: None,
         }
     };
     sse_response(&state, &caller, &headers, &q, subject).await

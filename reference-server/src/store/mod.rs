@@ -111,6 +111,8 @@ pub struct ListQuery<'a> {
     pub scope: Scope<'a>,
     pub parent: Option<&'a str>,
     pub state: Option<&'a str>,
+    /// Records in any of these states (as well as `state`); no condition when empty.
+    pub states: &'a [&'a str],
     /// Keyset cursor: only records strictly after `(created_at, id)`.
     pub after: Option<(OffsetDateTime, String)>,
     /// At most this many records; `None` for all.
@@ -124,6 +126,7 @@ impl<'a> ListQuery<'a> {
             scope,
             parent: None,
             state: None,
+            states: &[],
             after: None,
             limit: None,
         }

@@ -213,6 +213,16 @@ where
     if let Some(state) = q.state {
         qb.push(" AND state = ").push_bind(state.to_owned());
     }
+    if let [state] = q.states {
+        qb.push(" AND state = ").push_bind((*state).to_owned());
+    } else if !q.states.is_empty() {
+        qb.push(" AND state IN (");
+        let mut states = qb.separated(", ");
+        for state in q.states {
+            states.push_bind((*state).to_owned());
+        }
+        qb.push(")");
+    }
     if let Some((created_at, id)) = &q.after {
         let at = micros(*created_at);
         qb.push(" AND (created_at > ").push_bind(at);

@@ -611,6 +611,20 @@ pub async fn list_filters_by_scope_parent_and_state(store: Arc<dyn Store>) {
         list(Scope::Owner("bob"), Some("sbx_b"), None).await,
         Vec::<String>::new()
     );
+    // Any of several states, in order, and with a limit.
+    let mut q = ListQuery::new(Kind::Process, Scope::System);
+    q.states = &["exited", "running"];
+    assert_eq!(
+        ids(&store.list(&q).await.unwrap()),
+        ["p1", "p2", "p3", "p4", "p5"]
+    );
+    q.parent = Some("sbx_a");
+    q.states = &["exited", "paused"];
+    assert_eq!(ids(&store.list(&q).await.unwrap()), ["p2"]);
+    q.parent = None;
+    q.states = &["running"];
+    q.limit = Some(2);
+    assert_eq!(ids(&store.list(&q).await.unwrap()), ["p1", "p3"]);
 }
 
 pub async fn list_respects_limit(store: Arc<dyn Store>) {

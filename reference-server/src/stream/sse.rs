@@ -214,6 +214,37 @@ pub struct Subject {
     pub filter: Option<EventTest>,
     /// Called with each event's seq once it is handed to the connection.
     pub on_delivered: Option<Box<dyn Fn(i64) + Send + Sync>>,
+    /// The stream's first read of the log, already made by the caller ([`Head::read`]);
+    /// used only for a subject `known_live`, with the same cursor. `None`: `respond` reads.
+    pub head: Option<Head>,
+}
+
+/// A stream's first read of its log, made before [`respond`] by a caller that looks the
+/// subject up at the same time: the read does not depend on the lookup, so the two store
+/// reads run at once instead of one after the other. The caller drops it unless the lookup
+/// finds the subject.
+pub struct Head {
+    wake: watch::Receiver<i64>,
+    cursor: Option<i64>,
+    read: Result<Vec<Arc<Framed>>, StoreError>,
+}
+
+impl Head {
+    /// Follows `stream` and reads it as [`respond`] would first, for `cursor`.
+    pub async fn read(log: &EventLog, stream: &str, cursor: Option<i64>) -> Head {
+        // Follow before reading so that an append racing with the read still wakes the stream.
+        let wake = log.follow(stream);
+        let read = log
+            .read_after(stream, first_read_after(cursor), BATCH)
+            .await;
+        Head { wake, cursor, read }
+    }
+}
+
+/// Where the first read of a stream starts: one event before the cursor, so that the batch
+/// read also proves the cursor (see [`respond`]).
+fn first_read_after(cursor: Option<i64>) -> i64 {
+    cursor.map_or(0, |c| (c - 1).max(0))
 }
 
 /// Stream-wide settings.
@@ -248,20 +279,30 @@ pub async fn respond(
     slot: StreamSlot,
     options: Options,
 ) -> Result<Response, SseError> {
+    let mut subject = subject;
     let store = Arc::clone(log.store());
-    // Follow before reading so that an append racing with the first read still wakes us.
-    let wake = log.follow(&subject.stream);
+    let head = subject
+        .head
+        .take()
+        .filter(|h| subject.known_live && h.cursor == cursor);
+    let (wake, head_read) = match head {
+        Some(head) => (head.wake, Some(head.read)),
+        // Follow before reading so that an append racing with the first read still wakes us.
+        None => (log.follow(&subject.stream), None),
+    };
     let finished = !subject.known_live && (subject.finished)().await?;
     // The first read of the log also places the cursor. The log is gap-free and retention
     // drops a prefix of it, so its first retained event is the one after `purged_through`:
     // a batch read from just before the cursor whose first event is at most the one after
     // it proves the cursor is not expired. The log's bounds are read only when no batch
     // proves it (an empty or purged log), or for a subject that has finished.
-    let probe = cursor.map_or(0, |c| (c - 1).max(0));
-    let first = if finished {
-        Vec::new()
-    } else {
-        log.read_after(&subject.stream, probe, BATCH).await?
+    let first = match head_read {
+        _ if finished => Vec::new(),
+        Some(read) => read?,
+        None => {
+            log.read_after(&subject.stream, first_read_after(cursor), BATCH)
+                .await?
+        }
     };
     let placed = match (cursor, first.first()) {
         (Some(c), Some(f)) if f.event.seq <= c + 1 => Some(c),
@@ -616,6 +657,7 @@ mod tests {
                 known_live: false,
                 filter: None,
                 on_delivered: None,
+                head: None,
             }
         }
 

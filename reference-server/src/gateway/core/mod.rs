@@ -92,6 +92,10 @@ pub struct SessionRt {
     /// Held across every change to the session and its children.
     pub lock: tokio::sync::Mutex<()>,
     pub live: Mutex<Live>,
+    /// The session's bridge secret, once a bridge request has been verified with it. The
+    /// secret is chosen when the session is created and never changes, so the store's copy
+    /// and this one are the same; a session that is gone is refused under its lock.
+    pub bridge_secret: std::sync::OnceLock<String>,
 }
 
 impl SessionRt {
@@ -220,6 +224,11 @@ impl Gateway {
             .clone()
     }
 
+    /// The session's runtime if this process has one, without making one.
+    pub fn rt_if_known(&self, sid: &str) -> Option<Arc<SessionRt>> {
+        lock(&self.runtimes).get(sid).cloned()
+    }
+
     fn forget(&self, sid: &str) {
         lock(&self.runtimes).remove(sid);
     }
@@ -257,9 +266,25 @@ impl Gateway {
         sid: &str,
         state: Option<&str>,
     ) -> ApiResult<Vec<(Record, T)>> {
+        let states: &[&str] = match &state {
+            Some(state) => std::slice::from_ref(state),
+            None => &[],
+        };
+        self.children_in(kind, sid, states, None).await
+    }
+
+    /// [`Gateway::children`] in any of `states` (all when empty), at most `limit` of them.
+    async fn children_in<T: serde::de::DeserializeOwned>(
+        &self,
+        kind: Kind,
+        sid: &str,
+        states: &[&str],
+        limit: Option<u32>,
+    ) -> ApiResult<Vec<(Record, T)>> {
         let mut q = ListQuery::new(kind, Scope::System);
         q.parent = Some(sid);
-        q.state = state;
+        q.states = states;
+        q.limit = limit;
         let recs = self.state.store.list(&q).await?;
         recs.into_iter()
             .map(|r| {
@@ -279,12 +304,20 @@ impl Gateway {
     }
 
     pub async fn active_submission(&self, sid: &str) -> ApiResult<Option<(Record, SubmissionDoc)>> {
-        for st in ["running", "cancelling"] {
-            if let Some(found) = self.submissions(sid, Some(st)).await?.into_iter().next() {
-                return Ok(Some(found));
-            }
-        }
-        Ok(None)
+        Ok(self
+            .children_in(Kind::Submission, sid, &["running", "cancelling"], Some(1))
+            .await?
+            .into_iter()
+            .next())
+    }
+
+    /// The session's oldest queued submission.
+    pub async fn next_queued(&self, sid: &str) -> ApiResult<Option<(Record, SubmissionDoc)>> {
+        Ok(self
+            .children_in(Kind::Submission, sid, &["queued"], Some(1))
+            .await?
+            .into_iter()
+            .next())
     }
 
     pub async fn operations(
