@@ -1114,3 +1114,57 @@ async fn an_exclusive_scenario_runs_beside_the_others_only_on_a_deployment_of_it
         beside.duration_ms
     );
 }
+
+/// A scenario that reads the health endpoint, or first sleeps `ms` when given.
+fn health_after(id: &str, ms: Option<u64>) -> sandspec::scenario::LoadedScenario {
+    let sleep = ms.map_or(String::new(), |ms| format!("\x20 - sleep: {{ms: {ms}}}\n"));
+    let text = format!(
+        "id: {id}\ntitle: reads the health endpoint\nclauses: [SBX-3.1]\nlevel: SHOULD\nsteps:\n\
+         {sleep}\x20 - request: {{method: GET, path: /v1/health, expect: {{status: 200}}}}\n"
+    );
+    loaded(id, &text)
+}
+
+/// With one scenario at a time, the one that waits longest starts first wherever it is in the
+/// catalog, so that its wait does not come at the end of the run; the others keep their order.
+#[tokio::test]
+async fn the_scenario_that_waits_longest_starts_first() {
+    use std::sync::Arc;
+
+    use sandspec::engine::Outcome;
+    use sandspec::target::Target;
+
+    let scenarios = [
+        health_after("TST-QUICK-001", None),
+        health_after("TST-SHORT-001", Some(300)),
+        health_after("TST-QUICK-002", None),
+        health_after("TST-LONG-001", Some(1500)),
+    ];
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        ..ReferenceOptions::default()
+    };
+    let target = Arc::new(Target::start_reference(&options).await.unwrap());
+    let runs = sandspec::cli::run_all(&target, &scenarios, "order", 1, 0).await;
+    assert!(
+        runs.iter().all(|r| r.outcome == Outcome::Pass),
+        "{:?}",
+        runs.iter().map(|r| &r.outcome).collect::<Vec<_>>()
+    );
+    let mut by_start: Vec<(u64, &str)> = runs
+        .iter()
+        .zip(&scenarios)
+        .map(|(r, s)| (r.started_ms, s.id()))
+        .collect();
+    by_start.sort();
+    let order: Vec<&str> = by_start.into_iter().map(|(_, id)| id).collect();
+    assert_eq!(
+        order,
+        [
+            "TST-LONG-001",
+            "TST-SHORT-001",
+            "TST-QUICK-001",
+            "TST-QUICK-002"
+        ]
+    );
+}
