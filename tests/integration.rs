@@ -17,7 +17,6 @@ mod isolation;
 mod live;
 mod mcp;
 mod multiprocess;
-mod proxy;
 mod report;
 mod tls;
 

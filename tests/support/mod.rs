@@ -6,7 +6,6 @@ pub mod faulty_proxy;
 pub mod http;
 pub mod listening;
 pub mod owner;
-pub mod proxy;
 pub mod receipt;
 pub mod runtime;
 pub mod serve;
