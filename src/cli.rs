@@ -859,12 +859,12 @@ pub async fn run_until_stopped(
         .collect();
     let clock_movable = target.clock_movable_here_or_own();
     pool.sort_by_cached_key(|(_, s)| {
-        std::cmp::Reverse(
-            crate::engine::waits::waits(&s.scenario, &target.capabilities, clock_movable)
-                .iter()
-                .map(|w| w.seconds)
-                .sum::<u64>(),
-        )
+        use crate::engine::waits::{total_s, waits};
+        std::cmp::Reverse(total_s(&waits(
+            &s.scenario,
+            &target.capabilities,
+            clock_movable,
+        )))
     });
     for (i, s) in pool {
         let permit = semaphore

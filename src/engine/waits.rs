@@ -91,6 +91,12 @@ pub fn waits(scenario: &Scenario, caps: &Capabilities, clock_movable: bool) -> V
     out
 }
 
+/// How long `waits` take together, in seconds: what the wait budget is judged against, and
+/// the order in which the runner starts scenarios (longest first).
+pub fn total_s(waits: &[Wait]) -> u64 {
+    waits.iter().map(|w| w.seconds).sum()
+}
+
 /// Whether a deadline grows with a number the target advertises.
 fn advertised(n: &NumExpr) -> bool {
     n.expr
@@ -106,7 +112,7 @@ pub fn over_budget(
     budget: Duration,
 ) -> Option<String> {
     let waits = waits(scenario, caps, clock_movable);
-    let total: u64 = waits.iter().map(|w| w.seconds).sum();
+    let total = total_s(&waits);
     if total <= budget.as_secs() {
         return None;
     }
