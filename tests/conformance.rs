@@ -400,10 +400,11 @@ fn main() {
     scenarios.extend(mcp);
     errors.extend(mcp_errors);
     let mut trials = Vec::new();
-    // The negative controls are queued first: each starts a server of its own and many wait
-    // out a poll's whole window (the defect is that nothing happens), so the longest trials
-    // start while the shared servers' short ones fill the other threads, not at the end.
-    let mut controls = vec![through_a_proxy()];
+    // The longest trials are queued first, so that they start while the shared servers'
+    // short ones fill the other threads, not at the end: the catalog through the proxy, then
+    // the negative controls (each starts a server of its own, and many wait out a poll's
+    // whole window, the defect being that nothing happens).
+    let mut first = vec![through_a_proxy()];
     for e in errors {
         let file = e
             .file
@@ -441,13 +442,13 @@ fn main() {
                 .iter()
                 .any(|r| r.value == "peer" || r.value == "database_control");
             for control in &s.scenario.defects {
-                controls.push(must_fail(s.clone(), control.clone(), needs_postgres, api));
+                first.push(must_fail(s.clone(), control.clone(), needs_postgres, api));
             }
         }
     }
     trials.extend(every_defect_is_caught(&scenarios));
-    controls.extend(trials);
-    let trials = controls;
+    first.extend(trials);
+    let trials = first;
     let conclusion = libtest_mimic::run(&args, trials);
     // Kill the servers before exiting (statics are never dropped).
     let servers: Vec<Arc<Target>> = SERVERS
