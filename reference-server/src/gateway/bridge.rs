@@ -56,6 +56,7 @@ async fn authenticate(
         let known = gw
             .rt_if_known(sid)
             .and_then(|rt| rt.bridge_secret.get().cloned());
+        let from_store = known.is_none();
         let secret = match known {
             Some(secret) => Some(secret),
             None => match gw
@@ -79,7 +80,9 @@ async fn authenticate(
         if !verify(&secret, method.as_str(), target, &body, ts, sig, now_s) {
             return Err(ApiError::PermissionDenied);
         }
-        gw.rt(sid).bridge_secret.get_or_init(|| secret);
+        if from_store {
+            gw.rt(sid).bridge_secret.get_or_init(|| secret);
+        }
     }
     let revision = header(REVISION_HEADER).unwrap_or("");
     if revision.trim().is_empty() && !state.config.defects.has(Defect::EmptyRevisionAccepted) {

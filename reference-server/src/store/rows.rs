@@ -213,9 +213,7 @@ where
     if let Some(state) = q.state {
         qb.push(" AND state = ").push_bind(state.to_owned());
     }
-    if let [state] = q.states {
-        qb.push(" AND state = ").push_bind((*state).to_owned());
-    } else if !q.states.is_empty() {
+    if !q.states.is_empty() {
         qb.push(" AND state IN (");
         let mut states = qb.separated(", ");
         for state in q.states {
