@@ -26,7 +26,7 @@ impl Gateway {
             defects.has(Defect::BorrowedSandboxKilledOnDelete)
         };
         let done = if kill {
-            if rt.creating() && !self.state.config.defects.has(Defect::LateCreateLeaks) {
+            if rt.creating() {
                 // The create task disposes of exactly this sandbox when it completes.
                 false
             } else {
@@ -39,17 +39,6 @@ impl Gateway {
                     .get(Kind::Sandbox, Scope::System, &sandbox_id)
                     .await?
                 {
-                    Some(rec)
-                        if rec.state == "starting"
-                            && self.state.config.defects.has(Defect::LateCreateLeaks) =>
-                    {
-                        self.state
-                            .store
-                            .delete(Kind::Sandbox, &rec.id)
-                            .await
-                            .map(|_| ())
-                            .map_err(ApiError::from)
-                    }
                     Some(rec) => crate::api::destroy_sandbox(&self.state, &rec).await,
                     None => provider
                         .destroy(&local)
@@ -63,8 +52,7 @@ impl Gateway {
                     .get(Kind::Sandbox, Scope::System, &sandbox_id)
                     .await?
                     .is_none()
-                    && (!provider.exists(&local)
-                        || self.state.config.defects.has(Defect::LateCreateLeaks));
+                    && !provider.exists(&local);
                 if absent {
                     cleanup.sandbox = "absent".into();
                 }
@@ -197,11 +185,6 @@ impl Gateway {
             .await?;
         let mut rec = match current {
             Some(rec) => rec,
-            None if leak => {
-                // The bug: the late completion brings its sandbox back after cleanup.
-                self.state.store.insert(&sandbox).await?;
-                sandbox.clone()
-            }
             None => {
                 // Killed through §3 while starting.
                 provider
@@ -229,6 +212,12 @@ impl Gateway {
         rec.state = SandboxState::Running.as_str().to_owned();
         rec.due_at = Some(sbx.expires_at);
         match self.state.store.update(&rec).await {
+            Ok(_) if gone && leak => match session {
+                // The bug: the late completion ends the pending delete as if the sandbox
+                // were already dealt with, and leaves it running.
+                Some(loaded) => self.finish_delete(&loaded).await,
+                None => Ok(()),
+            },
             Ok(_) => Ok(()),
             Err(StoreError::NotFound) => {
                 provider
