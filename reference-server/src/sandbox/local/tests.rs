@@ -385,7 +385,8 @@ async fn the_memory_grant_is_enforced() {
         .create(&local, &res(0.25, 64), None)
         .await
         .unwrap();
-    // 128 MiB in a 64 MiB sandbox; 16 MiB fits.
+    // 128 MiB in a 64 MiB sandbox; 16 MiB fits. One after the other: run together, the
+    // two would share the grant, and the kernel could pick either to end.
     let big = f
         .start(
             &local,
@@ -396,6 +397,7 @@ async fn the_memory_grant_is_enforced() {
             ]),
         )
         .await;
+    let (big_events, big_record) = f.wait_exit(&big).await;
     let small = f
         .start(
             &local,
@@ -406,7 +408,6 @@ async fn the_memory_grant_is_enforced() {
             ]),
         )
         .await;
-    let (big_events, big_record) = f.wait_exit(&big).await;
     let (small_events, _) = f.wait_exit(&small).await;
     assert_eq!(output_of(&small_events, "stdout"), "survived");
     if f.provider.isolation().cgroups {
