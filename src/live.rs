@@ -170,9 +170,25 @@ pub struct Ignored {
 /// sessions have no such filter).
 const LISTS: &[(&str, bool)] = &[("/v1/sessions", false), ("/v1/sandboxes", true)];
 
-/// How long a removal may take to show: a sandbox's kill is synchronous, a session's
-/// delete completes in the background (SES-8.13: 10 s plus a provider's delay).
-const GONE_WITHIN: Duration = Duration::from_secs(30);
+/// How long a session's removal may take to show: its delete completes in the background
+/// (SES-8.13: 10 s plus a provider's delay).
+pub(crate) const SESSION_GONE_WITHIN: Duration = Duration::from_secs(30);
+
+/// How long any other removal may take to show. A kill is synchronous (SBX-3.14, and E2B's
+/// `DELETE /sandboxes/{id}`): the object is 404 from the moment the kill answers. A short
+/// grace keeps a deployment that answers through a cache from being reported as unable to
+/// remove what it did remove, without a target that only claims the kill holding the sweep
+/// for as long as a session's cleanup may take.
+const KILL_GONE_WITHIN: Duration = Duration::from_secs(3);
+
+/// How long [`remove`] waits for `path` to answer 404 after its delete.
+fn gone_within(path: &str) -> Duration {
+    if path.starts_with("/v1/sessions/") {
+        SESSION_GONE_WITHIN
+    } else {
+        KILL_GONE_WITHIN
+    }
+}
 
 /// Every record of a list as `token`, following pages to the end.
 async fn list_all(
@@ -242,8 +258,8 @@ pub(crate) fn tag_of(record: &Value) -> Option<&str> {
     record.get("metadata")?.get(RUN_TAG)?.as_str()
 }
 
-/// Deletes `path` as `token`, then confirms that a GET answers 404 (waiting a bounded time
-/// for a delete that completes in the background).
+/// Deletes `path` as `token`, then confirms that a GET answers 404 (waiting a bounded time,
+/// [`gone_within`], for a delete that completes in the background).
 pub(crate) async fn remove(target: &Target, token: &str, path: &str) -> bool {
     let url = format!("{}{path}", target.base_url);
     let deleted = target
@@ -274,7 +290,7 @@ pub(crate) async fn remove(target: &Target, token: &str, path: &str) -> bool {
             .map(|r| r.status().as_u16());
         match status {
             Ok(404) => return true,
-            Ok(_) if since.elapsed() < GONE_WITHIN => {
+            Ok(_) if since.elapsed() < gone_within(path) => {
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
             _ => return false,
@@ -525,6 +541,20 @@ pub fn parse_age(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a session's removal completes in the background; a kill is answered when done.
+    #[test]
+    fn only_a_session_is_waited_for_as_long_as_its_cleanup_may_take() {
+        assert_eq!(gone_within("/v1/sessions/ses_1"), SESSION_GONE_WITHIN);
+        for path in [
+            "/v1/sandboxes/local:sbx_1",
+            "/v1/snapshots/local:snp_1",
+            "/sandboxes/abc",
+        ] {
+            assert_eq!(gone_within(path), KILL_GONE_WITHIN, "{path}");
+        }
+        assert!(KILL_GONE_WITHIN < SESSION_GONE_WITHIN);
+    }
 
     #[test]
     fn loopback_hosts() {

@@ -422,3 +422,62 @@ async fn a_scenario_that_leaks_fails_at_its_leak_check_and_is_swept() {
         "the folder verifies"
     );
 }
+
+/// A session whose delete never completes (the proxy answers the delete and keeps the
+/// session `deleting`): the leak check waits for it, once, then fails naming it. The sweep's
+/// delete of a session that is already deleting changes nothing (SES-8.7), so the sweep looks
+/// at it once more, without a second wait, and says it could not remove it.
+#[tokio::test]
+async fn a_session_that_stays_deleting_is_waited_for_once() {
+    use sandspec::engine::Entry;
+    let server = reference().await;
+    let proxy = faulty_proxy::start(
+        &server.url,
+        Faults {
+            stuck_session_deletes: true,
+            ..Faults::default()
+        },
+    )
+    .await;
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/scenarios-leaky/leaks/session-never-goes.yaml");
+    let scenario =
+        sandspec::scenario::parse_str(&file, &std::fs::read_to_string(&file).unwrap()).unwrap();
+    let target =
+        sandspec::target::Target::connect_with_tokens(&proxy.url, server.tokens.clone(), None)
+            .await
+            .unwrap();
+    let run = tokio::time::timeout(
+        NEVER,
+        sandspec::engine::run_scenario(&target, &scenario, "testsessionstuck"),
+    )
+    .await
+    .expect("the scenario ends");
+    let (step, reason) = match &run.outcome {
+        sandspec::engine::Outcome::Fail { step, reason } => (step.as_str(), reason.as_str()),
+        other => panic!("expected the leak check to fail, got {other}"),
+    };
+    assert_eq!(step, "leak check");
+    let session = reason
+        .split("the sweep could not remove: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the session is reported as not removed: {reason}"));
+    assert!(session.starts_with("/v1/sessions/ses_"), "{reason}");
+    // The leak check's looks at the session, before and after the sweep's delete of it.
+    let mut before = 0;
+    let mut after = None;
+    for entry in &run.transcript {
+        let Entry::Http(x) = entry else { continue };
+        if x.target != session {
+            continue;
+        }
+        match (x.step.as_str(), x.method.as_str(), &mut after) {
+            ("sweep", "DELETE", None) => after = Some(0),
+            ("leak check", "GET", None) => before += 1,
+            ("leak check", "GET", Some(n)) => *n += 1,
+            _ => {}
+        }
+    }
+    assert!(before > 1, "the leak check waited for the deleting session");
+    assert_eq!(after, Some(1), "one look after the sweep's delete");
+}

@@ -15,14 +15,12 @@ use serde_json::Value;
 use super::context::{Ctx, Prepared, StepError};
 use crate::engine::expect::Observed;
 use crate::engine::outcome::Outcome;
+// How long the leak check waits for a session in state `deleting` to go: the sweep's wait.
+use crate::live::SESSION_GONE_WITHIN;
 use crate::scenario::{Method, Principal, Via};
 
 /// The step name under which leftovers fail a scenario.
 pub const LEAK_CHECK: &str = "leak check";
-
-/// How long the leak check waits for a session in state `deleting` to go (SES-8.13 allows
-/// 10 s plus a provider's delay).
-const SESSION_GONE_WITHIN: Duration = Duration::from_secs(30);
 
 /// Something a scenario (or the whole run) left behind, and whether the sweep removed it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +146,8 @@ pub(super) fn created_by(
 enum Seen {
     Gone,
     There,
+    /// A session still `deleting` when the wait given to [`Ctx::seen`] ran out.
+    StillDeleting,
     /// The target's answer says neither (the reason).
     Unknown(String),
 }
@@ -189,7 +189,9 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    async fn seen(&mut self, i: usize) -> Seen {
+    /// Looks at ledger entry `i`, waiting up to `deleting_for` for a session in state
+    /// `deleting` to go.
+    async fn seen(&mut self, i: usize, deleting_for: Duration) -> Seen {
         let client = self.target.client.clone();
         let kind = self.ledger[i].kind;
         let get = self.probe(&self.ledger[i], Method::Get);
@@ -207,9 +209,11 @@ impl<'a> Ctx<'a> {
                 (Kind::Session, 200)
                     if obs.json().ok().and_then(|j| {
                         j.get("state").and_then(Value::as_str).map(str::to_owned)
-                    }) == Some("deleting".into())
-                        && waited.elapsed() < SESSION_GONE_WITHIN =>
+                    }) == Some("deleting".into()) =>
                 {
+                    if waited.elapsed() >= deleting_for {
+                        return Seen::StillDeleting;
+                    }
                     tokio::time::sleep(Duration::from_millis(250)).await;
                     continue;
                 }
@@ -224,10 +228,17 @@ impl<'a> Ctx<'a> {
     pub(super) async fn leak_check(&mut self) -> Outcome {
         let mut left = Vec::new();
         let mut unknown = Vec::new();
+        // Sessions that stayed `deleting` through the whole wait: the sweep's delete of one
+        // changes nothing (SES-8.7), so it is not waited for a second time.
+        let mut stuck = Vec::new();
         for i in 0..self.ledger.len() {
-            match self.seen(i).await {
+            match self.seen(i, SESSION_GONE_WITHIN).await {
                 Seen::Gone => {}
                 Seen::There => left.push(i),
+                Seen::StillDeleting => {
+                    left.push(i);
+                    stuck.push(i);
+                }
                 Seen::Unknown(reason) => {
                     unknown.push(format!("{} ({reason})", self.ledger[i].path))
                 }
@@ -248,7 +259,12 @@ impl<'a> Ctx<'a> {
         // Processes and previews go with their sandboxes: look again at everything.
         let mut not_removed = Vec::new();
         for &i in &left {
-            let removed = matches!(self.seen(i).await, Seen::Gone);
+            let wait = if stuck.contains(&i) {
+                Duration::ZERO
+            } else {
+                SESSION_GONE_WITHIN
+            };
+            let removed = matches!(self.seen(i, wait).await, Seen::Gone);
             let path = self.ledger[i].path.clone();
             self.note(format!(
                 "sweep: {path} {}",

@@ -1,13 +1,15 @@
 //! A transparent HTTP/1.1 proxy for tests, in front of a real server, with the faults a live
 //! target can have: it can drop the `metadata.*` filters from every query (a target whose
-//! lists ignore them), and accept chosen requests without ever answering them.
+//! lists ignore them), accept chosen requests without ever answering them, and accept session
+//! deletes that never complete.
 //!
 //! Also [`silent_target`]: a listener that answers `GET /v1/capabilities` and nothing else.
 
 use super::listening;
 
+use std::collections::HashSet;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
@@ -28,6 +30,10 @@ pub struct Faults {
     pub drop_metadata_filters: bool,
     /// Requests accepted and never answered (the connection stays open).
     pub hang: Option<Box<HangRule>>,
+    /// `DELETE /v1/sessions/{id}` is answered 202 `deleting` and never reaches the server:
+    /// from then on the session's `GET` answers the server's record in state `deleting`, a
+    /// session whose cleanup never completes.
+    pub stuck_session_deletes: bool,
 }
 
 /// A running proxy; it stops when dropped.
@@ -41,12 +47,24 @@ pub async fn start(upstream: &str, faults: Faults) -> Proxy {
         hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
     let upstream: Arc<str> = upstream.trim_end_matches('/').into();
     let faults = Arc::new(faults);
+    let deleting = Arc::new(Mutex::new(HashSet::new()));
     let task = tokio::spawn(async move {
         let mut connections = tokio::task::JoinSet::new();
         while let Ok((socket, _)) = listener.accept().await {
-            let (client, upstream, faults) = (client.clone(), upstream.clone(), faults.clone());
+            let (client, upstream, faults, deleting) = (
+                client.clone(),
+                upstream.clone(),
+                faults.clone(),
+                deleting.clone(),
+            );
             let service = hyper::service::service_fn(move |req| {
-                forward(req, client.clone(), upstream.clone(), faults.clone())
+                forward(
+                    req,
+                    client.clone(),
+                    upstream.clone(),
+                    faults.clone(),
+                    deleting.clone(),
+                )
             });
             connections.spawn(async move {
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -66,12 +84,27 @@ async fn forward(
     >,
     upstream: Arc<str>,
     faults: Arc<Faults>,
+    deleting: Arc<Mutex<HashSet<String>>>,
 ) -> Result<Response<Body>, Infallible> {
     if let Some(hang) = &faults.hang
         && hang(req.method(), req.uri().path(), req.headers())
     {
         std::future::pending::<()>().await;
     }
+    let session = faults
+        .stuck_session_deletes
+        .then(|| req.uri().path().strip_prefix("/v1/sessions/"))
+        .flatten()
+        .filter(|id| !id.is_empty() && !id.contains('/'))
+        .map(str::to_owned);
+    if let Some(id) = &session
+        && req.method() == hyper::Method::DELETE
+    {
+        deleting.lock().unwrap().insert(id.clone());
+        let body = serde_json::json!({"id": id, "state": "deleting"}).to_string();
+        return Ok(json_response(202, body));
+    }
+    let rewrite = session.is_some_and(|id| deleting.lock().unwrap().contains(&id));
     let mut target = format!("{upstream}{}", req.uri().path());
     if let Some(query) = req.uri().query() {
         let kept: Vec<&str> = query
@@ -86,6 +119,15 @@ async fn forward(
     let (mut parts, body) = req.into_parts();
     parts.uri = target.parse().expect("a valid upstream URI");
     match client.request(Request::from_parts(parts, body)).await {
+        Ok(resp) if rewrite && resp.status() == 200 => {
+            let bytes = resp.into_body().collect().await.map(|b| b.to_bytes());
+            let mut record: serde_json::Value = bytes
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            record["state"] = "deleting".into();
+            Ok(json_response(200, record.to_string()))
+        }
         Ok(resp) => Ok(resp.map(|b| b.boxed())),
         Err(e) => Ok(Response::builder()
             .status(502)
@@ -96,6 +138,18 @@ async fn forward(
             )
             .expect("a valid response")),
     }
+}
+
+fn json_response(status: u16, body: String) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(
+            Full::new(Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("a valid response")
 }
 
 /// A listener that answers `GET /v1/capabilities` with `capabilities` and accepts every
