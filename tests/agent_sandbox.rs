@@ -89,7 +89,7 @@ fn the_package_runs_the_profile_as_pinned() {
     let out = tempfile::tempdir().unwrap();
     let evidence = out.path().join("evidence");
     let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
-        .args(["run", "--api", "agent-sandbox", "--jobs", "1", "--out"])
+        .args(["run", "--api", "agent-sandbox", "--out"])
         .arg(&evidence)
         .arg("--launch")
         .arg(launch_command(&bin, None))
@@ -133,39 +133,49 @@ fn the_package_runs_the_profile_as_pinned() {
     insta::assert_snapshot!("agent_sandbox_server_0_4_0a6", summary);
 }
 
+/// Each control against a stand-in of its own, all at once: they share nothing, and most of
+/// their time is the service waiting (a slow turn, a poll's window).
 #[test]
 fn every_must_scenario_fails_against_its_defect() {
     let Some(bin) = service_bin() else { return };
-    let mut controls = 0;
-    for s in catalog() {
-        for control in &s.scenario.defects {
+    let catalog = catalog();
+    let controls: Vec<_> = catalog
+        .iter()
+        .flat_map(|s| s.scenario.defects.iter().map(move |control| (s, control)))
+        .collect();
+    // Each defect of the stand-in is some scenario's control.
+    assert_eq!(controls.len(), DEFECTS.len());
+    let outcomes = RUNTIME.block_on(futures_util::future::join_all(controls.iter().map(
+        |(s, control)| async {
             let defect = control.defect.value.as_str();
-            let expected = s
-                .scenario
-                .fails_at(control)
-                .expect("fails_at names one step");
-            let outcome = RUNTIME.block_on(async {
-                let service = LaunchedService::start(&launch_command(&bin, Some(defect)))
-                    .await
-                    .expect("the stand-in starts");
-                let target = Target::launched(Api::AgentSandbox, service).await.unwrap();
-                let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
-                run_scenario(&target, &s.scenario, &run_id).await.outcome
-            });
-            match outcome {
-                Outcome::Fail { step, reason } => assert_eq!(
-                    step,
-                    expected,
-                    "{} against `{defect}` must fail at `{expected}`, failed at `{step}`: {reason}",
-                    s.id()
-                ),
-                other => panic!("{} against `{defect}`: expected FAIL, got {other}", s.id()),
-            }
-            controls += 1;
+            let service = LaunchedService::start(&launch_command(&bin, Some(defect)))
+                .await
+                .expect("the stand-in starts");
+            let target = Target::launched(Api::AgentSandbox, service).await.unwrap();
+            let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
+            run_scenario(&target, &s.scenario, &run_id).await.outcome
+        },
+    )));
+    let mut wrong = Vec::new();
+    for ((s, control), outcome) in controls.iter().zip(outcomes) {
+        let defect = control.defect.value.as_str();
+        let expected = s
+            .scenario
+            .fails_at(control)
+            .expect("fails_at names one step");
+        match outcome {
+            Outcome::Fail { step, .. } if step == expected => {}
+            Outcome::Fail { step, reason } => wrong.push(format!(
+                "{} against `{defect}` must fail at `{expected}`, failed at `{step}`: {reason}",
+                s.id()
+            )),
+            other => wrong.push(format!(
+                "{} against `{defect}`: expected FAIL, got {other}",
+                s.id()
+            )),
         }
     }
-    // Each defect of the stand-in is some scenario's control.
-    assert_eq!(controls, DEFECTS.len());
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]
