@@ -252,6 +252,23 @@ pub struct Target {
     pub control: Option<Control>,
     /// A service the runner launched for another profile (`--launch`); stopped on drop.
     service: Option<tokio::sync::Mutex<crate::agent_sandbox::LaunchedService>>,
+    /// On PostgreSQL, the private cluster in which each deployment started for an exclusive
+    /// or clock-moving scenario gets a database of its own ([`OwnDatabase::Fresh`]):
+    /// launched on first use, stopped when this target is dropped, after those deployments.
+    fresh_databases: tokio::sync::OnceCell<std::sync::Arc<pg_cluster::PgCluster>>,
+}
+
+/// The database of a deployment the runner starts for one scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnDatabase {
+    /// The database the target was started on (SQLite: the deployment's own data directory).
+    Same,
+    /// A fresh database in a private cluster that the deployments of one run share, so that
+    /// nothing in it is anyone else's: what a digest covers, what the reapers expire.
+    Fresh,
+    /// A private cluster of its own, which the scenario may stop and start
+    /// (`database_control`).
+    Private,
 }
 
 /// A second base URL serving the same deployment as the target, with the same principals'
@@ -330,6 +347,7 @@ impl Target {
             launcher: None,
             control: None,
             service: None,
+            fresh_databases: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -573,12 +591,14 @@ impl Target {
 }
 
 impl Target {
-    /// Starts a deployment of its own for one fault-injecting scenario, the way this target
-    /// was started (`launcher`), with the same tokens and canary: its primary server process,
-    /// on PostgreSQL a peer on the same database, and with `database` a private PostgreSQL
-    /// cluster for its database, which the scenario may stop and start. `None` when the
+    /// Starts a deployment of its own for one scenario, the way this target was started
+    /// (`launcher`), with the same tokens and canary: its primary server process, on
+    /// PostgreSQL a peer on the same database, on the `database` chosen. `None` when the
     /// runner did not start this target.
-    pub async fn start_controlled(&self, database: bool) -> Option<Result<Target, TargetError>> {
+    pub async fn start_controlled(
+        &self,
+        database: OwnDatabase,
+    ) -> Option<Result<Target, TargetError>> {
         let launcher = self.launcher.as_ref()?;
         Some(self.start_controlled_from(launcher, database).await)
     }
@@ -586,19 +606,28 @@ impl Target {
     async fn start_controlled_from(
         &self,
         launcher: &ReferenceOptions,
-        database: bool,
+        database: OwnDatabase,
     ) -> Result<Target, TargetError> {
         let mut options = launcher.clone();
-        let cluster = if database {
-            let cluster = tokio::task::spawn_blocking(pg_cluster::PgCluster::launch)
+        let launch = || async {
+            tokio::task::spawn_blocking(pg_cluster::PgCluster::launch)
                 .await
-                .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?
-                .map_err(|e| spawn_error(&options, format!("starting PostgreSQL: {e}")))?;
-            let cluster = std::sync::Arc::new(cluster);
-            options.database_url = Some(cluster.create_database("sandspec").await);
-            Some(cluster)
-        } else {
-            None
+                .map_err(|e| spawn_error(launcher, format!("starting PostgreSQL: {e}")))?
+                .map(std::sync::Arc::new)
+                .map_err(|e| spawn_error(launcher, format!("starting PostgreSQL: {e}")))
+        };
+        let cluster = match database {
+            OwnDatabase::Same => None,
+            OwnDatabase::Fresh => {
+                let shared = self.fresh_databases.get_or_try_init(launch).await?;
+                options.database_url = Some(shared.fresh_database().await);
+                None
+            }
+            OwnDatabase::Private => {
+                let cluster = launch().await?;
+                options.database_url = Some(cluster.create_database("sandspec").await);
+                Some(cluster)
+            }
         };
         let primary = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
         let client = build_client(None)?;

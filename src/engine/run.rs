@@ -20,7 +20,7 @@ use super::steps;
 use super::transcript::Entry;
 use super::vars::{VarError, Vars};
 use crate::scenario::{Scenario, Step, step_label};
-use crate::target::Target;
+use crate::target::{OwnDatabase, Target};
 
 /// What a scenario's steps may take beyond their declared waits: a fixed part, and a part
 /// per step (each request takes a moment even when the target is fast).
@@ -112,7 +112,13 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         && target.control.is_none()
         && !target.can_restart()
     {
-        let database = database_control || ((clock || alone) && target.database_controllable());
+        let database = if database_control {
+            OwnDatabase::Private
+        } else if (clock || alone) && target.database_controllable() {
+            OwnDatabase::Fresh
+        } else {
+            OwnDatabase::Same
+        };
         return match target.start_controlled(database).await {
             Some(Ok(own)) => {
                 let mut run = Box::pin(run_scenario(&own, scenario, run_id)).await;
