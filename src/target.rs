@@ -887,12 +887,15 @@ pub struct ReferenceOptions {
     pub serve_defaults: bool,
 }
 
-/// Limits and retention the runner gives the reference server it starts, so that
-/// retention, heartbeat and stream-duration scenarios finish in seconds. Scenarios read the
-/// advertised values, so they hold for any setting.
+/// Limits and retention the runner gives the reference server it starts, so that heartbeat,
+/// stream-duration and quota scenarios finish in seconds. Scenarios read the advertised
+/// values, so they hold for any setting. The retentions are a minute: the retention scenarios
+/// move the clock of a deployment of their own past them (TC-9.12), and a scenario that reads
+/// what it made a few seconds earlier (output across a server's restart, a session's log from
+/// its start, two digests around a session) must not see it expire under load.
 pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "--retention",
-    "process_output_s=3",
+    "process_output_s=60",
     "--limit",
     "heartbeat_interval_s=1",
     "--limit",
@@ -900,7 +903,7 @@ pub const REFERENCE_FAST_SETTINGS: &[&str] = &[
     "--limit",
     "max_sandboxes_per_principal=20",
     "--retention",
-    "result_s=3",
+    "result_s=60",
     "--retention",
     "events_s=60",
 ];
