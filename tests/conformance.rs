@@ -47,7 +47,9 @@ use runtime::RUNTIME;
 use sandspec::engine::{Outcome, run_scenario};
 use sandspec::profile::Api;
 use sandspec::report::{RunFacts, ScenarioReport, Verdict, verdict};
-use sandspec::scenario::{DefectRef, Level, LoadedScenario, load_dir, load_dir_partial};
+use sandspec::scenario::{
+    Atom, DefectRef, Expr, Level, LoadedScenario, Scenario, Step, load_dir, load_dir_partial,
+};
 use sandspec::target::{ReferenceOptions, ReferenceServer, Target};
 
 /// Started servers by store key; dropped before exit so the child processes are killed.
@@ -382,11 +384,32 @@ fn through_a_proxy() -> Trial {
     })
 }
 
+/// How long a negative control may wait, in seconds, to order the queue: the window of the
+/// step it must fail at, which a defect that makes nothing happen waits out, and the windows
+/// of the cleanup that runs after it, which a defect may make it wait out too. Only windows
+/// written as numbers count: the negative controls' servers move their clocks instead of
+/// waiting out an advertised retention.
+fn control_wait_s(scenario: &Scenario, control: &DefectRef) -> i64 {
+    let literal = |step: &Step| match step.deadline().map(|n| &n.expr) {
+        Some(
+            expr @ Expr {
+                atom: Atom::Int(n), ..
+            },
+        ) => expr.apply(*n).unwrap_or(0),
+        _ => 0,
+    };
+    let failing = match scenario.steps_labelled(&control.fails_at.value).as_slice() {
+        [i] => literal(&scenario.steps[*i]),
+        _ => 0,
+    };
+    failing + scenario.cleanup.iter().map(literal).sum::<i64>()
+}
+
 /// How many trials run at once unless `--test-threads` or `SANDSPEC_TEST_THREADS` says: a
 /// trial spends most of its time waiting on a server (streams, timers, processes), not on a
 /// core. Not `RUST_TEST_THREADS`, which `.cargo/config.toml` sets lower for the binaries whose
 /// tests compute more.
-const DEFAULT_THREADS: usize = 12;
+const DEFAULT_THREADS: usize = 16;
 
 fn main() {
     let mut args = Arguments::from_args();
@@ -412,8 +435,10 @@ fn main() {
     // The longest trials are queued first, so that they start while the shared servers'
     // short ones fill the other threads, not at the end: the catalog through the proxy, then
     // the negative controls (each starts a server of its own, and many wait out a poll's
-    // whole window, the defect being that nothing happens).
+    // whole window, the defect being that nothing happens), those that may wait longest
+    // first.
     let mut first = vec![through_a_proxy()];
+    let mut controls = Vec::new();
     for e in errors {
         let file = e
             .file
@@ -451,11 +476,17 @@ fn main() {
                 .iter()
                 .any(|r| r.value == "peer" || r.value == "database_control");
             for control in &s.scenario.defects {
-                first.push(must_fail(s.clone(), control.clone(), needs_postgres, api));
+                controls.push((
+                    control_wait_s(&s.scenario, control),
+                    must_fail(s.clone(), control.clone(), needs_postgres, api),
+                ));
             }
         }
     }
     trials.extend(every_defect_is_caught(&scenarios));
+    // Longest wait first; a stable sort keeps the catalog's order among equals.
+    controls.sort_by_key(|(wait, _)| std::cmp::Reverse(*wait));
+    first.extend(controls.into_iter().map(|(_, trial)| trial));
     first.extend(trials);
     let trials = first;
     let conclusion = libtest_mimic::run(&args, trials);

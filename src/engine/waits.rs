@@ -71,10 +71,7 @@ pub fn waits(scenario: &Scenario, caps: &Capabilities, clock_movable: bool) -> V
                 }
                 continue;
             }
-            Step::Poll(p) => Some(&p.within_s),
-            Step::Sse(s) => s.within_s.as_ref(),
-            Step::Parallel(p) => p.within_s.as_ref(),
-            _ => None,
+            other => other.deadline(),
         };
         let Some(deadline) = deadline.filter(|n| advertised(n)) else {
             continue;

@@ -259,6 +259,17 @@ impl Step {
         }
     }
 
+    /// The step's deadline, for the steps that wait for something to happen: a poll's, a
+    /// stream's or a parallel step's `within_s`.
+    pub fn deadline(&self) -> Option<&NumExpr> {
+        match self {
+            Step::Poll(p) => Some(&p.within_s),
+            Step::Sse(s) => s.within_s.as_ref(),
+            Step::Parallel(p) => p.within_s.as_ref(),
+            _ => None,
+        }
+    }
+
     /// The `name` a step without a request of its own was given.
     fn name(&self) -> Option<&str> {
         match self {
