@@ -29,8 +29,10 @@ use super::sandboxes::{env_of, sandbox_of};
 use super::state::AppState;
 
 /// How long an output read waits for the `exit` event of a process already recorded as
-/// ended (the runtime appends it right after): tries × step.
-const EXIT_EVENT_WAIT_TRIES: u32 = 100;
+/// ended (the runtime appends it right after): tries × step, 10 s. A read almost never waits,
+/// but the two writes are separate, and on a loaded machine the second has been seen to land
+/// more than 2 s after the first.
+const EXIT_EVENT_WAIT_TRIES: u32 = 500;
 const EXIT_EVENT_WAIT_STEP: std::time::Duration = std::time::Duration::from_millis(20);
 
 const MAX_TAG_CHARS: usize = 256;
