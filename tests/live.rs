@@ -481,3 +481,82 @@ async fn a_session_that_stays_deleting_is_waited_for_once() {
     assert!(before > 1, "the leak check waited for the deleting session");
     assert_eq!(after, Some(1), "one look after the sweep's delete");
 }
+
+/// The streams a `parallel` group is granted stay open until every request of the group has
+/// its answer, so that they are open together however late the last request is sent: with a
+/// quota of two streams and the third request of a burst of three held back (by the proxy)
+/// until the server would have seen the first two close, the third is still refused, 429.
+#[tokio::test]
+async fn a_bursts_streams_are_held_until_its_last_request_is_answered() {
+    let options = ReferenceOptions {
+        binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
+        extra_args: vec!["--limit".into(), "max_streams_per_principal=2".into()],
+        ..ReferenceOptions::default()
+    };
+    let server = ReferenceServer::start(&options).await.unwrap();
+    // Later than a granted stream's close takes to reach the server: at its next heartbeat,
+    // one second here.
+    let proxy = faulty_proxy::start(
+        &server.url,
+        Faults {
+            late_stream: Some((3, Duration::from_millis(2500))),
+            ..Faults::default()
+        },
+    )
+    .await;
+    let text = r#"
+id: BURST-FIXTURE-001
+title: A burst of one stream more than the quota
+clauses: [SSE-7.21]
+level: SHOULD
+steps:
+  - request:
+      method: POST
+      path: /v1/sandboxes
+      json: {metadata: {sandspec_run: "{{run_id}}"}}
+      expect: {status: 201}
+      capture:
+        sbx: {json: /id}
+  - request:
+      method: POST
+      path: /v1/sandboxes/{{sbx}}/processes
+      json: {cmd: [sh, -c, "echo ready; exec sleep 60"]}
+      expect: {status: 201}
+      capture:
+        long: {json: /id}
+  # `within_s` makes the group close its granted streams instead of reading them to their
+  # end; one second and a pause of four leave room for one attempt only.
+  - parallel:
+      name: one stream more than the quota
+      within_s: 1
+      every_ms: 4000
+      repeat: limits.max_streams_per_principal + 1
+      request:
+        method: GET
+        path: /v1/processes/{{long}}/events
+        headers: {Accept: text/event-stream}
+      expect:
+        - {status: 200, exactly: limits.max_streams_per_principal}
+        - {status: 429, code: too_many_streams, rest: true}
+cleanup:
+  - request: {method: DELETE, path: "/v1/sandboxes/{{sbx}}", expect: {status_in: [204, 404]}}
+"#;
+    let scenario =
+        sandspec::scenario::parse_str(Path::new("burst.yaml"), text).expect("the fixture parses");
+    let target =
+        sandspec::target::Target::connect_with_tokens(&proxy.url, server.tokens.clone(), None)
+            .await
+            .unwrap();
+    let run = tokio::time::timeout(
+        NEVER,
+        sandspec::engine::run_scenario(&target, &scenario, "testburstheld"),
+    )
+    .await
+    .expect("the scenario ends");
+    assert_eq!(
+        run.outcome,
+        sandspec::engine::Outcome::Pass,
+        "{:?}",
+        run.outcome
+    );
+}

@@ -304,7 +304,7 @@ impl<'a> Ctx<'a> {
     ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
-        let outcome = exchange(self.builder(client, p), self.target.request_timeout, false).await;
+        let outcome = exchange(self.builder(client, p), self.target.request_timeout).await;
         let mut exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
@@ -406,13 +406,23 @@ impl<'a> Ctx<'a> {
 
 /// Sends a request and reads its whole response, each wait bounded by `limit`: the response
 /// headers (connecting included), then every read of the body. The error is a reason and
-/// whether the target could not be connected to at all. `close_streams`: a granted event
-/// stream is judged on its status and headers and then closed, not read to its end.
+/// whether the target could not be connected to at all.
 pub(super) async fn exchange(
     builder: reqwest::RequestBuilder,
     limit: Duration,
-    close_streams: bool,
 ) -> Result<Observed, (String, bool)> {
+    exchange_holding(builder, limit, false)
+        .await
+        .map(|(observed, _)| observed)
+}
+
+/// [`exchange`], but with `hold_streams` a granted event stream is judged on its status and
+/// headers and not read: its response comes back open, and dropping it closes its connection.
+pub(super) async fn exchange_holding(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    hold_streams: bool,
+) -> Result<(Observed, Option<reqwest::Response>), (String, bool)> {
     let secs = limit.as_secs_f64();
     let mut response = match tokio::time::timeout(limit, builder.send()).await {
         Err(_) => {
@@ -430,14 +440,13 @@ pub(super) async fn exchange(
         .get(reqwest::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    if close_streams && stream && response.status().is_success() {
-        // Dropping the response closes its connection.
-        drop(response);
-        return Ok(Observed {
+    if hold_streams && stream && response.status().is_success() {
+        let observed = Observed {
             status,
             headers,
             body: Default::default(),
-        });
+        };
+        return Ok((observed, Some(response)));
     }
     let mut body = Vec::new();
     loop {
@@ -456,11 +465,12 @@ pub(super) async fn exchange(
             Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
         }
     }
-    Ok(Observed {
+    let observed = Observed {
         status,
         headers,
         body: body.into(),
-    })
+    };
+    Ok((observed, None))
 }
 
 /// A status mismatch message, with the problem code when the response has one.

@@ -1,7 +1,7 @@
 //! A transparent HTTP/1.1 proxy for tests, in front of a real server, with the faults a live
 //! target can have: it can drop the `metadata.*` filters from every query (a target whose
-//! lists ignore them), accept chosen requests without ever answering them, and accept session
-//! deletes that never complete.
+//! lists ignore them), accept chosen requests without ever answering them, accept session
+//! deletes that never complete, and hold back one event-stream request of a burst.
 //!
 //! Also [`silent_target`]: a listener that answers `GET /v1/capabilities` and nothing else.
 
@@ -34,6 +34,18 @@ pub struct Faults {
     /// from then on the session's `GET` answers the server's record in state `deleting`, a
     /// session whose cleanup never completes.
     pub stuck_session_deletes: bool,
+    /// The `n`-th event-stream request (counting from 1) is held this long before it is
+    /// forwarded: a request of a burst that a loaded machine sends late.
+    pub late_stream: Option<(usize, std::time::Duration)>,
+}
+
+/// What the proxy remembers between requests.
+#[derive(Default)]
+struct Seen {
+    /// Sessions whose delete it answered itself.
+    deleting: Mutex<HashSet<String>>,
+    /// Event-stream requests so far.
+    streams: std::sync::atomic::AtomicUsize,
 }
 
 /// A running proxy; it stops when dropped.
@@ -47,15 +59,15 @@ pub async fn start(upstream: &str, faults: Faults) -> Proxy {
         hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
     let upstream: Arc<str> = upstream.trim_end_matches('/').into();
     let faults = Arc::new(faults);
-    let deleting = Arc::new(Mutex::new(HashSet::new()));
+    let seen = Arc::new(Seen::default());
     let task = tokio::spawn(async move {
         let mut connections = tokio::task::JoinSet::new();
         while let Ok((socket, _)) = listener.accept().await {
-            let (client, upstream, faults, deleting) = (
+            let (client, upstream, faults, seen) = (
                 client.clone(),
                 upstream.clone(),
                 faults.clone(),
-                deleting.clone(),
+                seen.clone(),
             );
             let service = hyper::service::service_fn(move |req| {
                 forward(
@@ -63,7 +75,7 @@ pub async fn start(upstream: &str, faults: Faults) -> Proxy {
                     client.clone(),
                     upstream.clone(),
                     faults.clone(),
-                    deleting.clone(),
+                    seen.clone(),
                 )
             });
             connections.spawn(async move {
@@ -84,12 +96,28 @@ async fn forward(
     >,
     upstream: Arc<str>,
     faults: Arc<Faults>,
-    deleting: Arc<Mutex<HashSet<String>>>,
+    seen: Arc<Seen>,
 ) -> Result<Response<Body>, Infallible> {
     if let Some(hang) = &faults.hang
         && hang(req.method(), req.uri().path(), req.headers())
     {
         std::future::pending::<()>().await;
+    }
+    let asks_stream = req
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"));
+    if asks_stream {
+        let n = seen
+            .streams
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        if let Some((late, hold)) = faults.late_stream
+            && late == n
+        {
+            tokio::time::sleep(hold).await;
+        }
     }
     let session = faults
         .stuck_session_deletes
@@ -100,11 +128,11 @@ async fn forward(
     if let Some(id) = &session
         && req.method() == hyper::Method::DELETE
     {
-        deleting.lock().unwrap().insert(id.clone());
+        seen.deleting.lock().unwrap().insert(id.clone());
         let body = serde_json::json!({"id": id, "state": "deleting"}).to_string();
         return Ok(json_response(202, body));
     }
-    let rewrite = session.is_some_and(|id| deleting.lock().unwrap().contains(&id));
+    let rewrite = session.is_some_and(|id| seen.deleting.lock().unwrap().contains(&id));
     let mut target = format!("{upstream}{}", req.uri().path());
     if let Some(query) = req.uri().query() {
         let kept: Vec<&str> = query

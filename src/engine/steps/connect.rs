@@ -78,7 +78,7 @@ impl Ctx<'_> {
             if c.stream && !c.until.is_empty() {
                 read_until(builder, limit, &c.until, &self.vars).await
             } else {
-                exchange(builder, limit, false).await.map(|o| (o, false))
+                exchange(builder, limit).await.map(|o| (o, false))
             }
         };
         let (result, stopped) = match tokio::time::timeout(limit, reading).await {

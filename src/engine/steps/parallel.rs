@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::{StepKind, secs};
-use crate::engine::context::{Ctx, StepError, exchange, is_credential_header, ms};
+use crate::engine::context::{Ctx, StepError, exchange_holding, is_credential_header, ms};
 use crate::engine::expect::{Observed, check_headers, problem_code};
 use crate::engine::transcript::{Body, Entry, HttpExchange, record_headers};
 use crate::engine::vars::Vars;
@@ -73,7 +73,9 @@ impl Ctx<'_> {
     }
 
     /// One attempt of a `parallel` group. `close_streams`: a granted event stream is judged
-    /// on its status and headers and then closed instead of being read to its end.
+    /// on its status and headers and then closed instead of being read to its end; it is held
+    /// open until every request of the group has its answer, so that the group's streams are
+    /// open together however late a loaded machine sends the last request.
     async fn parallel_once(
         &mut self,
         p: &Parallel,
@@ -101,12 +103,17 @@ impl Ctx<'_> {
             let b = self.builder(&client, pr);
             async move {
                 let sent = Instant::now();
-                let r = exchange(b, limit, close_streams).await;
+                let r = exchange_holding(b, limit, close_streams).await;
                 (r, sent.elapsed())
             }
         });
         let at_ms = self.at();
         let results = futures_util::future::join_all(futures).await;
+        // Every answer is in: the held streams close together.
+        let results: Vec<_> = results
+            .into_iter()
+            .map(|(r, took)| (r.map(|(observed, _held)| observed), took))
+            .collect();
         let before = self.ledger.len();
         let mut observed = Vec::new();
         for (pr, (result, took)) in prepared.iter().zip(results) {
