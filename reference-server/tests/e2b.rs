@@ -1361,15 +1361,24 @@ async fn stdin_then_eof(app: &TestApp) -> bool {
     let (task, pid) =
         start_in_background(app, &id, &token, "cat > got.bin", json!({"stdin": true})).await;
     let bytes = b"\x00\xffin\xc3\n";
-    unary(
+    let sent = unary(
         app,
         &id,
         &token,
         "process.Process/SendInput",
         json!({"process": {"pid": pid}, "input": {"stdin": b64(bytes)}}),
     )
-    .await
-    .ok(200);
+    .await;
+    if sent.status != 200 {
+        // The process ended before its input: its own stream says how.
+        let stream = tokio::time::timeout(Duration::from_secs(10), task).await;
+        panic!(
+            "SendInput answered {} {}; the process's stream: {:?}",
+            sent.status,
+            String::from_utf8_lossy(&sent.body),
+            stream.map(|r| r.map(|reply| String::from_utf8_lossy(&reply.body).into_owned()))
+        );
+    }
     unary(
         app,
         &id,
