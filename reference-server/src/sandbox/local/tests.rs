@@ -253,11 +253,18 @@ async fn create_and_destroy_leave_nothing_behind() {
     }
 
     // A process that leaves a background child in its group, and one that escapes its group.
+    // Each PID file is written under another name and renamed, so that no read sees it empty.
     let id = f
-        .start(&local, sh("sleep 1000 & echo $! > bg.pid; exec sleep 1000"))
+        .start(
+            &local,
+            sh("sleep 1000 & echo $! > bg.tmp && mv bg.tmp bg.pid; exec sleep 1000"),
+        )
         .await;
     let escaped = f
-        .start(&local, sh("setsid sleep 1000 & echo $! > esc.pid; wait"))
+        .start(
+            &local,
+            sh("setsid sleep 1000 & echo $! > esc.tmp && mv esc.tmp esc.pid; wait"),
+        )
         .await;
     let root = f.root(&local);
     eventually("pid files", || {
@@ -647,7 +654,7 @@ async fn programs_that_cannot_run_are_refused_and_leave_nothing() {
 async fn timeout_kills_the_whole_group() {
     let f = fixture().await;
     let local = f.sandbox().await;
-    let mut slow = sh("sleep 1000 & echo $! > child.pid; wait");
+    let mut slow = sh("sleep 1000 & echo $! > child.tmp && mv child.tmp child.pid; wait");
     slow.timeout_ms = Some(300);
     let started = Instant::now();
     let id = f.start(&local, slow).await;
@@ -1000,13 +1007,15 @@ async fn cgroups_of_a_crashed_instance_are_reaped_at_start() {
     // PIDs are at most 2^22 on Linux, so this instance's server cannot exist.
     let namespace = super::super::cgroup::own_pid_namespace();
     assert_ne!(namespace, 0);
-    let stale_instance = format!("99999999-{namespace}-crashed");
+    // The test process's PID in the names keeps two runs of this binary at once apart.
+    let run = std::process::id();
+    let stale_instance = format!("99999999-{namespace}-crashed-{run}");
     let stale = sandspec
         .join(&stale_instance)
         .join("local")
         .join("sbx_left");
     // An instance of another PID namespace is not this server's to judge.
-    let foreign = sandspec.join(format!("99999999-{}-elsewhere", namespace + 1));
+    let foreign = sandspec.join(format!("99999999-{}-elsewhere-{run}", namespace + 1));
     std::fs::create_dir_all(&foreign).unwrap();
     let orphan = std::process::Command::new("sleep")
         .arg("1000")
