@@ -403,7 +403,8 @@ async fn sweep_removes_only_tagged_leftovers() {
 
 /// `POST /sandboxes` on the E2B surface with `metadata`, as the owner: the sandbox's E2B ID.
 async fn create_e2b(server: &ReferenceServer, metadata: serde_json::Value) -> String {
-    let resp = reqwest::Client::new()
+    let resp = sandspec::target::build_client(None)
+        .unwrap()
         .post(format!("{}/sandboxes", server.url))
         .header("X-API-Key", &server.tokens.owner)
         .json(&serde_json::json!({"templateID": "base", "timeout": 600, "metadata": metadata}))
@@ -418,7 +419,8 @@ async fn create_e2b(server: &ReferenceServer, metadata: serde_json::Value) -> St
 }
 
 async fn e2b_status_of(server: &ReferenceServer, id: &str) -> u16 {
-    reqwest::Client::new()
+    sandspec::target::build_client(None)
+        .unwrap()
         .get(format!("{}/sandboxes/{id}", server.url))
         .header("X-API-Key", &server.tokens.owner)
         .send()
@@ -447,7 +449,8 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     unsafe { std::env::set_var("SANDSPEC_E2B_SWEEP_OWNER", &server.tokens.owner) };
     let tagged = create_e2b(&server, serde_json::json!({"sandspec_run": "old-run"})).await;
     let paused = create_e2b(&server, serde_json::json!({"sandspec_run": "old-run"})).await;
-    let pause = reqwest::Client::new()
+    let pause = sandspec::target::build_client(None)
+        .unwrap()
         .post(format!("{}/sandboxes/{paused}/pause", server.url))
         .header("X-API-Key", &server.tokens.owner)
         .send()

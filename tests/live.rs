@@ -397,7 +397,8 @@ async fn a_scenario_that_leaks_fails_at_its_leak_check_and_is_swept() {
     );
     // Gone from the server, so the end-of-run sweep found nothing more.
     for list in ["/v1/sandboxes", "/v1/snapshots", "/v1/sessions"] {
-        let listed = reqwest::Client::new()
+        let listed = sandspec::target::build_client(None)
+            .unwrap()
             .get(format!("{}{list}", server.url))
             .bearer_auth(&server.tokens.owner)
             .send()

@@ -30,7 +30,7 @@ impl ControlPlane {
         let app = server_support::spawn_app(|_| {}).await;
         Self {
             base: app.base.clone(),
-            http: reqwest::Client::new(),
+            http: sandspec::target::build_client(None).unwrap(),
             _app: app,
         }
     }
@@ -332,7 +332,7 @@ const LATE: &str = "mcp5latecreate000000000000";
 /// waits until the control plane has the held sandbox's record (it answers while the create
 /// is held), and ends the session with the create still in flight: the late sandbox's ID.
 async fn shutdown_during_a_create(cp: &ControlPlane, session: &mut McpSession) -> String {
-    let http = reqwest::Client::new();
+    let http = sandspec::target::build_client(None).unwrap();
     let admin = |path: &str, body: Value| {
         http.post(format!("{}/v1/test/providers/local/{path}", cp.base))
             .bearer_auth("admin-token")
@@ -409,7 +409,7 @@ fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
     let Some(python) = agent_sandbox_client() else {
         return;
     };
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    sandspec::target::install_crypto_provider();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
     let catalog =

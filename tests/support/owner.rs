@@ -6,7 +6,8 @@ use serde_json::Value;
 
 /// `POST path` with `body` as the owner; the created object's ID.
 pub async fn create(server: &ReferenceServer, path: &str, body: Value) -> String {
-    let resp = reqwest::Client::new()
+    let resp = sandspec::target::build_client(None)
+        .unwrap()
         .post(format!("{}{path}", server.url))
         .bearer_auth(&server.tokens.owner)
         .json(&body)
@@ -22,7 +23,8 @@ pub async fn create(server: &ReferenceServer, path: &str, body: Value) -> String
 
 /// The status of `GET path` as the owner.
 pub async fn status(server: &ReferenceServer, path: &str) -> u16 {
-    reqwest::Client::new()
+    sandspec::target::build_client(None)
+        .unwrap()
         .get(format!("{}{path}", server.url))
         .bearer_auth(&server.tokens.owner)
         .send()
