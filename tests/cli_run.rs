@@ -349,8 +349,6 @@ async fn sweep_removes_only_tagged_leftovers() {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
         ..ReferenceOptions::default()
     };
-    // The test's own clients need rustls's provider even when no other test installed it.
-    sandspec::target::install_crypto_provider();
     let server = ReferenceServer::start(&options).await.unwrap();
     // SAFETY: set once, before any thread reads it; the name is unique to this test.
     unsafe { std::env::set_var("SANDSPEC_SWEEP_OWNER", &server.tokens.owner) };
@@ -443,7 +441,6 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
         ..ReferenceOptions::default()
     };
-    sandspec::target::install_crypto_provider();
     let server = ReferenceServer::start(&options).await.unwrap();
     // SAFETY: set once, before any thread reads it; the name is unique to this test.
     unsafe { std::env::set_var("SANDSPEC_E2B_SWEEP_OWNER", &server.tokens.owner) };

@@ -9,7 +9,6 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use reqwest::Client;
 use serde_json::json;
 use tokio::process::{Child, Command};
 
@@ -96,8 +95,7 @@ fn runs(pid: i32) -> bool {
 async fn a_sigkilled_server_leaves_no_sandbox_process() {
     let dir = tempfile::tempdir().unwrap();
     let (mut server, base) = start(&dir.path().join("data")).await;
-    sandspec::target::install_crypto_provider();
-    let client = Client::new();
+    let client = sandspec::target::build_client(None).unwrap();
     let caps = http::get_json(&client, &format!("{base}/v1/capabilities"), ALICE).await;
     let isolated = caps["isolation"]["namespaces"]
         .as_array()

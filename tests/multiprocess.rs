@@ -183,8 +183,7 @@ fn state_is(want: &'static str) -> impl Fn(StatusCode, &Value) -> bool {
 async fn two_processes_share_streams_submits_cancels_and_deletes() {
     let Some(url) = database() else { return };
     let (a, b) = tokio::join!(Server::start(&url), Server::start(&url));
-    sandspec::target::install_crypto_provider();
-    let client = Client::new();
+    let client = sandspec::target::build_client(None).unwrap();
     let wait = Duration::from_secs(30);
 
     // A session made on A is visible on B, sandbox and all.
@@ -344,8 +343,7 @@ async fn two_processes_share_streams_submits_cancels_and_deletes() {
 async fn a_dead_home_is_taken_over_and_its_turn_is_uncertain() {
     let Some(url) = database() else { return };
     let (mut a, b) = tokio::join!(Server::start(&url), Server::start(&url));
-    sandspec::target::install_crypto_provider();
-    let client = Client::new();
+    let client = sandspec::target::build_client(None).unwrap();
     let wait = Duration::from_secs(40);
 
     let (sid, _sbx) = create_session(&client, &a, "slow-text-2s").await;
@@ -419,8 +417,7 @@ async fn the_stream_quota_counts_every_process() {
         Server::start_with(&url, &limit),
         Server::start_with(&url, &limit)
     );
-    sandspec::target::install_crypto_provider();
-    let client = Client::new();
+    let client = sandspec::target::build_client(None).unwrap();
     let (sid, _) = create_session(&client, &a, "echo").await;
     let open = |server: &Server| {
         client
