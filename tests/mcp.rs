@@ -409,7 +409,6 @@ fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
     let Some(python) = agent_sandbox_client() else {
         return;
     };
-    sandspec::target::install_crypto_provider();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
     let catalog =

@@ -449,8 +449,10 @@ mod tests {
     async fn read(url: &str, checks: &[JsonCheck]) -> (Observed, bool) {
         let caps = Capabilities::default();
         let vars = Vars::new("run", &caps, "canary");
-        crate::target::install_crypto_provider();
-        let builder = reqwest::Client::new().post(url).body("x");
+        let builder = crate::target::build_client(None)
+            .unwrap()
+            .post(url)
+            .body("x");
         read_until(builder, Duration::from_secs(30), checks, &vars)
             .await
             .unwrap()
