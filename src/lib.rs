@@ -19,13 +19,14 @@
 //!   verifier.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
-//! - [`profile`]: protocol profiles (`--api v1|e2b|agent-sandbox`): each one's catalog, credential header,
-//!   clause document and how a target's support is learned.
-//! - [`agent_sandbox`]: the Agent Sandbox profile's clauses, its stand-in defects, and the
-//!   service the runner launches for it (`--launch`).
+//! - [`profile`]: protocol profiles (`--api v1|e2b|mcp|agent-sandbox`), one module each: its
+//!   catalog, clause document, credential header, how a target's support is learned, how a
+//!   target is set up (a launched service, an MCP server) and how a run is swept.
 //! - [`mcp`]: the MCP client session that drives a sandbox MCP server under test over its
 //!   stdio (the official `rmcp` SDK), and the transcript of what was exchanged.
-//! - [`cli`]: `sandspec run`, `sandspec list` and `sandspec sweep`.
+//! - [`cli`]: the arguments of `sandspec run`, `sandspec list` and `sandspec sweep`, and the
+//!   exit codes; [`commands`]: what those commands do (`run` as a straight line from the
+//!   arguments to a target, a plan, the scheduler and the report).
 //!
 //! **Architecture Invariant:** the engine talks to a target only over HTTP; it never reaches
 //! into the reference server's process or store.
@@ -33,8 +34,8 @@
 //! **Architecture Invariant:** transcripts never hold a credential: requests record which
 //! principal authenticated them, not the token.
 
-pub mod agent_sandbox;
 pub mod cli;
+pub mod commands;
 pub mod connect;
 pub mod engine;
 pub mod evidence;

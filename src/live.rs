@@ -1,6 +1,8 @@
-//! Live runs against targets that cost money: the loopback guard, the end-of-run sweep of
-//! everything tagged with the run's ID, and `sandspec sweep` for leftovers of earlier,
-//! interrupted runs.
+//! Live runs against targets that cost money: the loopback guard, and what every profile's
+//! sweeps share (the end-of-run sweep of everything tagged with the run's ID, and `sandspec
+//! sweep` for leftovers of earlier, interrupted runs): the records they keep, removing an
+//! object and confirming it gone, and reading a record's tag and age. Which lists a sweep
+//! walks is each profile's own business (`crate::profile`).
 //!
 //! Every sandbox and session a scenario creates carries `metadata.sandspec_run = <run id>`.
 //! The sweeps remove only objects whose own record, as the target returned it, carries the
@@ -14,8 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use time::OffsetDateTime;
 
-use crate::engine::Leftover;
-use crate::target::{Target, describe_reqwest};
+use crate::target::{Conn, Tokens, describe_reqwest};
 
 /// The metadata key that tags every resource with the run that created it.
 pub const RUN_TAG: &str = "sandspec_run";
@@ -80,6 +81,16 @@ fn ask_on_terminal(url: &str) -> bool {
     matches!(answer.trim(), "y" | "Y" | "yes")
 }
 
+/// Something a scenario (or the whole run) left behind, and whether the sweep removed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Leftover {
+    /// The object's path, e.g. `/v1/sandboxes/local:sbx_...`.
+    pub path: String,
+    /// The sweep removed it and a GET afterwards answered 404.
+    pub removed: bool,
+}
+
 /// A resource found by `sandspec sweep`, and whether removing it worked.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Swept {
@@ -104,37 +115,39 @@ pub struct RunSweep {
     pub error: Option<String>,
 }
 
-/// One list of the end-of-run sweep, as one principal.
-pub(crate) struct Listed<'a> {
-    /// `owner` or `other`.
-    pub principal: &'a str,
-    pub token: &'a str,
-    /// The list, as the receipt names it.
-    pub list: &'a str,
-    /// Whether the list was asked to filter by the run's tag.
+/// One list a profile's sweeps walk.
+#[derive(Debug, Clone, Copy)]
+pub struct SweptList {
+    /// The list, as the receipt names it, e.g. `/v1/sandboxes`.
+    pub list: &'static str,
+    /// Whether the end-of-run sweep asks it to filter by the run's tag.
     pub filtered: bool,
     /// Where a record holds its ID.
-    pub id_field: &'a str,
+    pub id_field: &'static str,
+    /// Where a record holds when it was created (RFC 3339), for `sandspec sweep`.
+    pub time_field: &'static str,
     /// A record is removed at `<remove_prefix>/<id>`.
-    pub remove_prefix: &'a str,
+    pub remove_prefix: &'static str,
 }
 
 impl RunSweep {
     /// Removes each of `records` whose own record carries `run_id` (confirming it is gone)
-    /// as a leftover, and counts the others as ignored, never touching them.
-    pub(crate) async fn take(
+    /// as a leftover, and counts the others as ignored, never touching them. `principal`
+    /// (`owner` or `other`) listed them with `credential`.
+    async fn take(
         &mut self,
-        target: &Target,
+        conn: &Conn<'_>,
         run_id: &str,
-        listed: &Listed<'_>,
+        (principal, credential): (&str, &(&'static str, String)),
+        list: &SweptList,
         records: &[Value],
     ) {
         let mut ignored = 0;
         for record in records {
-            match record.get(listed.id_field).and_then(Value::as_str) {
+            match record.get(list.id_field).and_then(Value::as_str) {
                 Some(id) if tag_of(record) == Some(run_id) => {
-                    let path = format!("{}/{}", listed.remove_prefix, urlencode(id));
-                    let removed = remove(target, listed.token, &path).await;
+                    let path = format!("{}/{}", list.remove_prefix, urlencode(id));
+                    let removed = remove(conn, credential, &path).await;
                     self.found.push(Leftover { path, removed });
                 }
                 _ => ignored += 1,
@@ -142,13 +155,85 @@ impl RunSweep {
         }
         if ignored > 0 {
             self.ignored.push(Ignored {
-                principal: listed.principal.to_owned(),
-                list: listed.list.to_owned(),
-                filtered: listed.filtered,
+                principal: principal.to_owned(),
+                list: list.list.to_owned(),
+                filtered: list.filtered,
                 count: ignored,
             });
         }
     }
+}
+
+/// The end-of-run sweep over a profile's `lists`: for every principal the run used, each list
+/// as `read` gives it (with the principal's token, asked to filter by `run_id` where the list
+/// is `filtered`), and each record whose own record carries the run's tag removed and
+/// confirmed gone. Records without the tag are counted as ignored and never touched. A list
+/// that cannot be read is the sweep's error, and the others are still swept.
+pub async fn sweep_run_over<'a, Read, Listing>(
+    conn: &'a Conn<'a>,
+    tokens: &'a Tokens,
+    run_id: &'a str,
+    credential: fn(&str) -> (&'static str, String),
+    lists: &'a [SweptList],
+    read: Read,
+) -> RunSweep
+where
+    Read: Fn(&'a str, &'a SweptList, Option<&'a str>) -> Listing,
+    Listing: Future<Output = Result<Vec<Value>, String>>,
+{
+    let mut sweep = RunSweep::default();
+    let mut errors = Vec::new();
+    for (principal, token) in [
+        ("owner", tokens.owner.as_str()),
+        ("other", tokens.other.as_str()),
+    ] {
+        let credential = credential(token);
+        for list in lists {
+            let filter = list.filtered.then_some(run_id);
+            match read(token, list, filter).await {
+                Ok(records) => {
+                    sweep
+                        .take(conn, run_id, (principal, &credential), list, &records)
+                        .await;
+                }
+                Err(e) => errors.push(format!("{e} (as {principal})")),
+            }
+        }
+    }
+    if !errors.is_empty() {
+        sweep.error = Some(errors.join("; "));
+    }
+    sweep
+}
+
+/// `sandspec sweep` over a profile's `lists`: every record `read` gives (as `token`,
+/// unfiltered) whose own record carries a `sandspec_run` tag (of any run) and that was
+/// created before `now - older_than` (leftovers of interrupted runs) is removed and confirmed
+/// gone; with `dry_run`, only listed.
+pub async fn sweep_older_over<'a, Read, Listing>(
+    conn: &'a Conn<'a>,
+    credential: &(&'static str, String),
+    older_than: Duration,
+    dry_run: bool,
+    lists: &'a [SweptList],
+    read: Read,
+) -> Result<Vec<Swept>, String>
+where
+    Read: Fn(&'a SweptList) -> Listing,
+    Listing: Future<Output = Result<Vec<Value>, String>>,
+{
+    let cutoff = OffsetDateTime::now_utc() - older_than;
+    let mut swept = Vec::new();
+    for list in lists {
+        for record in read(list).await? {
+            if let Some((run, id)) = tagged_before(&record, list.time_field, list.id_field, cutoff)
+            {
+                let path = format!("{}/{}", list.remove_prefix, urlencode(id));
+                swept.push(sweep_one(conn, credential, path, run, dry_run).await);
+            }
+        }
+    }
+    Ok(swept)
 }
 
 /// Records of one list, as one principal, that did not carry the run's tag.
@@ -165,14 +250,9 @@ pub struct Ignored {
     pub count: usize,
 }
 
-/// The lists a sweep walks, sessions first (deleting a session removes the sandbox it
-/// owns), and whether the protocol lets them filter by metadata (§3.2 for sandboxes;
-/// sessions have no such filter).
-const LISTS: &[(&str, bool)] = &[("/v1/sessions", false), ("/v1/sandboxes", true)];
-
 /// How long a session's removal may take to show: its delete completes in the background
 /// (SES-8.13: 10 s plus a provider's delay).
-pub(crate) const SESSION_GONE_WITHIN: Duration = Duration::from_secs(30);
+pub const SESSION_GONE_WITHIN: Duration = Duration::from_secs(30);
 
 /// How long any other removal may take to show. A kill is synchronous (SBX-3.14, and E2B's
 /// `DELETE /sandboxes/{id}`): the object is 404 from the moment the kill answers. A short
@@ -190,63 +270,12 @@ fn gone_within(path: &str) -> Duration {
     }
 }
 
-/// Every record of a list as `token`, following pages to the end.
-async fn list_all(
-    target: &Target,
-    token: &str,
-    path: &str,
-    filter: Option<(&str, &str)>,
-) -> Result<Vec<Value>, String> {
-    let mut out = Vec::new();
-    let mut page_token: Option<String> = None;
-    for _ in 0..1000 {
-        let mut url = reqwest::Url::parse(&format!("{}{path}", target.base_url))
-            .map_err(|e| format!("GET {path}: {e}"))?;
-        {
-            let mut q = url.query_pairs_mut();
-            q.append_pair("limit", "100");
-            if let Some((k, v)) = filter {
-                q.append_pair(&format!("metadata.{k}"), v);
-            }
-            if let Some(t) = &page_token {
-                q.append_pair("page_token", t);
-            }
-        }
-        let req = target
-            .client
-            .get(url)
-            .bearer_auth(token)
-            .timeout(target.request_timeout);
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
-        if !resp.status().is_success() {
-            return Err(format!("GET {path}: status {}", resp.status()));
-        }
-        let page: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {path}: {}", why(target, &e)))?;
-        let items = page
-            .get("data")
-            .and_then(Value::as_array)
-            .ok_or_else(|| format!("GET {path}: no `data` array"))?;
-        out.extend(items.iter().cloned());
-        match page.get("next_page_token").and_then(Value::as_str) {
-            Some(t) => page_token = Some(t.to_owned()),
-            None => return Ok(out),
-        }
-    }
-    Err(format!("GET {path}: more than 1000 pages"))
-}
-
 /// Why a sweep request failed, in the words the engine uses for the same failure.
-fn why(target: &Target, e: &reqwest::Error) -> String {
+pub fn why(conn: &Conn<'_>, e: &reqwest::Error) -> String {
     if e.is_timeout() {
         format!(
             "no response: not received within {}s (--request-timeout)",
-            target.request_timeout.as_secs_f64()
+            conn.request_timeout.as_secs_f64()
         )
     } else {
         describe_reqwest(e)
@@ -254,22 +283,19 @@ fn why(target: &Target, e: &reqwest::Error) -> String {
 }
 
 /// The `sandspec_run` tag in a record's own `metadata`, if it has one.
-pub(crate) fn tag_of(record: &Value) -> Option<&str> {
+pub fn tag_of(record: &Value) -> Option<&str> {
     record.get("metadata")?.get(RUN_TAG)?.as_str()
 }
 
-/// Deletes `path` as `token`, then confirms that a GET answers 404 (waiting a bounded time,
-/// [`gone_within`], for a delete that completes in the background).
-pub(crate) async fn remove(target: &Target, token: &str, path: &str) -> bool {
-    let url = format!("{}{path}", target.base_url);
-    let deleted = target
+/// Deletes `path` with `credential`, then confirms that a GET answers 404 (waiting a bounded
+/// time, [`gone_within`], for a delete that completes in the background).
+pub async fn remove(conn: &Conn<'_>, credential: &(&'static str, String), path: &str) -> bool {
+    let url = format!("{}{path}", conn.base_url);
+    let deleted = conn
         .client
         .delete(&url)
-        .header(
-            target.api.credential(token).0,
-            target.api.credential(token).1,
-        )
-        .timeout(target.request_timeout)
+        .header(credential.0, credential.1.as_str())
+        .timeout(conn.request_timeout)
         .send()
         .await;
     if !matches!(deleted, Ok(r) if r.status().is_success() || r.status().as_u16() == 404) {
@@ -277,14 +303,11 @@ pub(crate) async fn remove(target: &Target, token: &str, path: &str) -> bool {
     }
     let since = std::time::Instant::now();
     loop {
-        let status = target
+        let status = conn
             .client
             .get(&url)
-            .header(
-                target.api.credential(token).0,
-                target.api.credential(token).1,
-            )
-            .timeout(target.request_timeout)
+            .header(credential.0, credential.1.as_str())
+            .timeout(conn.request_timeout)
             .send()
             .await
             .map(|r| r.status().as_u16());
@@ -310,186 +333,6 @@ fn urlencode(s: &str) -> String {
         .collect()
 }
 
-/// The end-of-run sweep: for every principal the run used, lists sessions and sandboxes and
-/// removes each whose own record carries `metadata.sandspec_run = run_id`, confirming it is
-/// gone. The sandbox list is asked to filter by the tag, but only the record decides:
-/// records without the tag are counted as ignored and never touched. Anything found is a
-/// cleanup failure of the run.
-pub async fn sweep_run(target: &Target, run_id: &str) -> RunSweep {
-    if target.api.speaks_e2b() {
-        return sweep_run_e2b(target, run_id).await;
-    }
-    if target.api == crate::profile::Api::AgentSandbox {
-        return crate::agent_sandbox::sweep_run(target, run_id).await;
-    }
-    let mut sweep = RunSweep::default();
-    let mut errors = Vec::new();
-    let principals = [
-        ("owner", target.tokens.owner.as_str()),
-        ("other", target.tokens.other.as_str()),
-    ];
-    for (principal, token) in principals {
-        for &(list, filtered) in LISTS {
-            let filter = filtered.then_some((RUN_TAG, run_id));
-            let records = match list_all(target, token, list, filter).await {
-                Ok(r) => r,
-                Err(e) => {
-                    errors.push(format!("{e} (as {principal})"));
-                    continue;
-                }
-            };
-            let listed = Listed {
-                principal,
-                token,
-                list,
-                filtered,
-                id_field: "id",
-                remove_prefix: list,
-            };
-            sweep.take(target, run_id, &listed, &records).await;
-        }
-    }
-    if !errors.is_empty() {
-        sweep.error = Some(errors.join("; "));
-    }
-    sweep
-}
-
-/// The end-of-run sweep of an E2B target: for every principal, the running and paused
-/// sandboxes `GET /v2/sandboxes` lists with the run's `sandspec_run` metadata; only a
-/// record's own metadata decides, and each one found is killed and confirmed gone.
-async fn sweep_run_e2b(target: &Target, run_id: &str) -> RunSweep {
-    const LIST: &str = "/v2/sandboxes";
-    let mut sweep = RunSweep::default();
-    let mut errors = Vec::new();
-    let principals = [
-        ("owner", target.tokens.owner.as_str()),
-        ("other", target.tokens.other.as_str()),
-    ];
-    for (principal, token) in principals {
-        let records = match list_all_e2b(target, token, Some(run_id)).await {
-            Ok(r) => r,
-            Err(e) => {
-                errors.push(format!("{e} (as {principal})"));
-                continue;
-            }
-        };
-        let listed = Listed {
-            principal,
-            token,
-            list: LIST,
-            filtered: true,
-            id_field: "sandboxID",
-            remove_prefix: "/sandboxes",
-        };
-        sweep.take(target, run_id, &listed, &records).await;
-    }
-    if !errors.is_empty() {
-        sweep.error = Some(errors.join("; "));
-    }
-    sweep
-}
-
-/// Every page of `GET /v2/sandboxes` (running and paused), as `token`: filtered by the
-/// run's tag when given one, else everything the team has.
-async fn list_all_e2b(
-    target: &Target,
-    token: &str,
-    run_id: Option<&str>,
-) -> Result<Vec<Value>, String> {
-    const LIST: &str = "/v2/sandboxes";
-    let mut out = Vec::new();
-    let mut next: Option<String> = None;
-    for _ in 0..1000 {
-        let mut url = reqwest::Url::parse(&format!("{}{LIST}", target.base_url))
-            .map_err(|e| format!("GET {LIST}: {e}"))?;
-        {
-            let mut q = url.query_pairs_mut();
-            q.append_pair("limit", "100");
-            q.append_pair("state", "running,paused");
-            if let Some(run_id) = run_id {
-                q.append_pair("metadata", &format!("{RUN_TAG}={run_id}"));
-            }
-            if let Some(t) = &next {
-                q.append_pair("nextToken", t);
-            }
-        }
-        let resp = target
-            .client
-            .get(url)
-            .header("X-API-Key", token)
-            .timeout(target.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {LIST}: {}", why(target, &e)))?;
-        if !resp.status().is_success() {
-            return Err(format!("GET {LIST}: status {}", resp.status()));
-        }
-        next = resp
-            .headers()
-            .get("x-next-token")
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned);
-        let page: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {LIST}: {}", why(target, &e)))?;
-        let items = page
-            .as_array()
-            .ok_or_else(|| format!("GET {LIST}: not an array"))?;
-        out.extend(items.iter().cloned());
-        if next.is_none() {
-            return Ok(out);
-        }
-    }
-    Err(format!("GET {LIST}: more than 1000 pages"))
-}
-
-/// `sandspec sweep`: removes the sessions and sandboxes visible to `token` whose own record
-/// carries a `sandspec_run` tag (of any run) and that were created before
-/// `now - older_than` (leftovers of interrupted runs). With `dry_run`, only lists them.
-pub async fn sweep_older_than(
-    target: &Target,
-    token: &str,
-    older_than: Duration,
-    dry_run: bool,
-) -> Result<Vec<Swept>, String> {
-    let cutoff = OffsetDateTime::now_utc() - older_than;
-    if target.api == crate::profile::Api::E2b {
-        return sweep_older_than_e2b(target, token, cutoff, dry_run).await;
-    }
-    let mut swept = Vec::new();
-    for &(list, _) in LISTS {
-        for record in list_all(target, token, list, None).await? {
-            if let Some((run, id)) = tagged_before(&record, "created_at", "id", cutoff) {
-                let path = format!("{list}/{}", urlencode(id));
-                swept.push(sweep_one(target, token, path, run, dry_run).await);
-            }
-        }
-    }
-    Ok(swept)
-}
-
-/// `sandspec sweep --api e2b`: every sandbox `GET /v2/sandboxes` lists for the team, running
-/// or paused, whose own `metadata` carries a `sandspec_run` tag and whose `startedAt` is
-/// before `cutoff`, is killed (`DELETE /sandboxes/{id}`) and confirmed gone by a 404.
-async fn sweep_older_than_e2b(
-    target: &Target,
-    token: &str,
-    cutoff: OffsetDateTime,
-    dry_run: bool,
-) -> Result<Vec<Swept>, String> {
-    let mut swept = Vec::new();
-    for record in list_all_e2b(target, token, None).await? {
-        if let Some((run, id)) = tagged_before(&record, "startedAt", "sandboxID", cutoff) {
-            let path = format!("/sandboxes/{}", urlencode(id));
-            swept.push(sweep_one(target, token, path, run, dry_run).await);
-        }
-    }
-    Ok(swept)
-}
-
 /// The run tag and ID of a listed record that `sandspec sweep` removes: its own
 /// `sandspec_run` tag is set and its `time_field` (an RFC 3339 time) is before `cutoff`. A
 /// record without a readable time is left alone.
@@ -513,8 +356,14 @@ fn tagged_before<'a>(
 }
 
 /// Removes `path` (unless `dry_run`) and says what became of it.
-async fn sweep_one(target: &Target, token: &str, path: String, run: &str, dry_run: bool) -> Swept {
-    let removed = !dry_run && remove(target, token, &path).await;
+async fn sweep_one(
+    conn: &Conn<'_>,
+    credential: &(&'static str, String),
+    path: String,
+    run: &str,
+    dry_run: bool,
+) -> Swept {
+    let removed = !dry_run && remove(conn, credential, &path).await;
     Swept {
         path,
         run: run.to_owned(),

@@ -73,9 +73,9 @@ fn main() -> ExitCode {
             );
             ExitCode::from(sandspec::cli::EXIT_USAGE)
         }
-        Command::Run(args) => sandspec::cli::run_blocking(*args),
-        Command::List(args) => sandspec::cli::list(&args),
-        Command::Sweep(args) => sandspec::cli::sweep_blocking(args),
+        Command::Run(args) => sandspec::commands::run_blocking(*args),
+        Command::List(args) => sandspec::commands::list(&args),
+        Command::Sweep(args) => sandspec::commands::sweep_blocking(args),
         #[cfg(feature = "reference")]
         Command::Serve(args) => reference_server::cli::main(args),
         #[cfg(feature = "reference")]

@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::engine::{Entry, Leftover, Outcome, ScenarioRun};
+use crate::engine::{Entry, Outcome, ScenarioRun};
+use crate::live::Leftover;
 use crate::scenario::{Level, LoadedScenario};
 
 /// One scenario's result with its catalog metadata.
@@ -116,9 +117,9 @@ pub fn verdict_line(verdict: &str, scope: Scope) -> String {
     }
 }
 
-/// Counts and verdict for one profile.
+/// Counts and verdict for one scenario family (or `all` of them).
 #[derive(Debug, Clone, Serialize)]
-pub struct ProfileVerdict {
+pub struct FamilyVerdict {
     pub profile: String,
     pub verdict: Verdict,
     pub reason: Option<String>,
@@ -127,7 +128,7 @@ pub struct ProfileVerdict {
     pub scope: Scope,
 }
 
-impl ProfileVerdict {
+impl FamilyVerdict {
     /// The verdict as printed: `conformant (subset: 3 of 95 scenarios)`.
     pub fn line(&self) -> String {
         verdict_line(self.verdict.as_str(), self.scope)
@@ -218,7 +219,7 @@ impl RunFacts {
 
 /// Judges the scenarios of one profile. The verdict rules live here and nowhere else: the
 /// run, and `evidence verify` re-judging a folder, both call it.
-pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> ProfileVerdict {
+pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> FamilyVerdict {
     let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
     for s in scenarios {
         *counts.entry(s.outcome.as_str()).or_default() += 1;
@@ -276,7 +277,7 @@ pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> Pro
     } else {
         (Verdict::Conformant, None)
     };
-    ProfileVerdict {
+    FamilyVerdict {
         profile: profile.to_owned(),
         verdict,
         reason,
@@ -290,12 +291,12 @@ pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> Pro
 pub const ALL: &str = "all";
 
 /// Per-family verdicts (one per family with a judged scenario, in name order), then `all`.
-pub fn judge(scenarios: &[Judged<'_>], facts: &RunFacts) -> Vec<ProfileVerdict> {
+pub fn judge(scenarios: &[Judged<'_>], facts: &RunFacts) -> Vec<FamilyVerdict> {
     let mut families: BTreeMap<&str, Vec<Judged<'_>>> = BTreeMap::new();
     for s in scenarios {
         families.entry(s.family).or_default().push(*s);
     }
-    let mut out: Vec<ProfileVerdict> = families
+    let mut out: Vec<FamilyVerdict> = families
         .iter()
         .map(|(f, list)| verdict(f, list, facts))
         .collect();
@@ -332,7 +333,7 @@ pub struct RunReport {
     pub certify: bool,
     pub scenarios: Vec<ScenarioReport>,
     /// One per family present in the run, plus `all`.
-    pub profiles: Vec<ProfileVerdict>,
+    pub profiles: Vec<FamilyVerdict>,
     /// The end-of-run sweep: objects still tagged with this run's ID after every scenario
     /// finished (each a cleanup failure of the run), records it left alone, and whether it
     /// could finish.
@@ -354,7 +355,7 @@ pub struct NotApplicable {
 
 impl RunReport {
     /// Computes per-family verdicts and the `all` verdict.
-    pub fn judge(scenarios: &[ScenarioReport], facts: &RunFacts) -> Vec<ProfileVerdict> {
+    pub fn judge(scenarios: &[ScenarioReport], facts: &RunFacts) -> Vec<FamilyVerdict> {
         let rows: Vec<Judged<'_>> = scenarios.iter().map(ScenarioReport::judged).collect();
         judge(&rows, facts)
     }
@@ -430,7 +431,7 @@ pub fn junit_xml(report: &RunReport) -> String {
                 .profiles
                 .iter()
                 .find(|p| p.profile == name)
-                .map(ProfileVerdict::line)
+                .map(FamilyVerdict::line)
         };
         x.push_str("    <properties>\n");
         for (name, value) in [

@@ -18,11 +18,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use runtime::RUNTIME;
-use sandspec::agent_sandbox::{DEFECT_ENV, DEFECTS, LaunchedService};
 use sandspec::engine::{Outcome, run_scenario};
 use sandspec::profile::Api;
+use sandspec::profile::agent_sandbox::{DEFECT_ENV, DEFECTS, LaunchedService};
 use sandspec::scenario::{Level, LoadedScenario, load_dir};
-use sandspec::target::Target;
+use sandspec::target::{Endpoint, Target, TargetSpec};
 
 /// The release this profile is pinned against (docs/profiles/agent-sandbox.md).
 const PACKAGE: &str = "agent-sandbox-server==0.4.0a6";
@@ -148,10 +148,13 @@ fn every_must_scenario_fails_against_its_defect() {
     let outcomes = RUNTIME.block_on(futures_util::future::join_all(controls.iter().map(
         |(s, control)| async {
             let defect = control.defect.value.as_str();
-            let service = LaunchedService::start(&launch_command(&bin, Some(defect)))
+            let spec = TargetSpec::new(
+                Api::AgentSandbox,
+                Endpoint::Launch(launch_command(&bin, Some(defect))),
+            );
+            let target = Target::open(spec.check().unwrap())
                 .await
                 .expect("the stand-in starts");
-            let target = Target::launched(Api::AgentSandbox, service).await.unwrap();
             let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());
             run_scenario(&target, &s.scenario, &run_id).await.outcome
         },

@@ -72,7 +72,7 @@ async fn run_against(defects: &[&str], env_prefix: &str, out: &std::path::Path) 
         "2",
     ])
     .unwrap();
-    sandspec::cli::run(args.run).await
+    sandspec::commands::run(args.run).await
 }
 
 #[tokio::test]
@@ -150,10 +150,10 @@ fn list_and_bad_flags() {
         list: ListArgs,
     }
     let args = ListWrapper::try_parse_from(["list"]).unwrap();
-    assert_eq!(sandspec::cli::list(&args.list), ExitCode::from(0));
+    assert_eq!(sandspec::commands::list(&args.list), ExitCode::from(0));
     let missing =
         ListWrapper::try_parse_from(["list", "--scenarios", "/nonexistent/scenarios"]).unwrap();
-    assert_eq!(sandspec::cli::list(&missing.list), ExitCode::from(2));
+    assert_eq!(sandspec::commands::list(&missing.list), ExitCode::from(2));
     // The exit codes are part of --help.
     let help = <Wrapper as clap::CommandFactory>::command()
         .render_long_help()
@@ -167,7 +167,7 @@ fn list_and_bad_flags() {
     let bad = Wrapper::try_parse_from(["run", "--drop-capability", "teleport"]).unwrap();
     let code = tokio::runtime::Runtime::new()
         .unwrap()
-        .block_on(sandspec::cli::run(bad.run));
+        .block_on(sandspec::commands::run(bad.run));
     assert_eq!(code, ExitCode::from(2));
     // So is a signing key that is missing or is not an Ed25519 private key.
     let dir = tempfile::tempdir().unwrap();
@@ -181,7 +181,7 @@ fn list_and_bad_flags() {
         let bad = Wrapper::try_parse_from(["run", "--sign-key", key.to_str().unwrap()]).unwrap();
         let code = tokio::runtime::Runtime::new()
             .unwrap()
-            .block_on(sandspec::cli::run(bad.run));
+            .block_on(sandspec::commands::run(bad.run));
         assert_eq!(code, ExitCode::from(2), "{}", key.display());
     }
     assert!(
@@ -207,7 +207,7 @@ fn list_names_the_must_clauses_no_scenario_cites() {
     assert_eq!(out.status.code(), Some(0));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let last = stdout.lines().last().unwrap();
-    let must = sandspec::scenario::must_clauses().count();
+    let must = sandspec::profile::v1::must_clauses().count();
     let (head, uncited) = last
         .split_once("; by none of these scenarios: ")
         .expect(last);
@@ -233,6 +233,8 @@ fn certify_refuses_every_narrowed_selection() {
     for narrowing in [
         &["--filter", "SBX-LIFE"][..],
         &["--shard", "1/2"],
+        &["--family", "lifecycle"],
+        // The flag's older name is the same flag.
         &["--profile", "lifecycle"],
     ] {
         let run = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
@@ -245,7 +247,7 @@ fn certify_refuses_every_narrowed_selection() {
         assert_eq!(run.status.code(), Some(2), "{narrowing:?}: {stderr}");
         assert!(
             stderr.contains(
-                "error: --certify runs the whole catalog: drop --filter, --shard and --profile"
+                "error: --certify runs the whole catalog: drop --filter, --shard and --family"
             ),
             "{narrowing:?}: {stderr}"
         );
@@ -370,7 +372,7 @@ async fn sweep_removes_only_tagged_leftovers() {
     // A dry run removes nothing.
     let code = tokio::task::spawn_blocking({
         let args = sweep(&["--dry-run"]);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -379,7 +381,7 @@ async fn sweep_removes_only_tagged_leftovers() {
     // A real sweep removes the tagged sandbox and only it.
     let code = tokio::task::spawn_blocking({
         let args = sweep(&[]);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -391,7 +393,7 @@ async fn sweep_removes_only_tagged_leftovers() {
     let code = tokio::task::spawn_blocking({
         let mut args = sweep(&[]);
         args.older_than = std::time::Duration::from_secs(3600);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -456,24 +458,27 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     assert_eq!(pause.status().as_u16(), 204);
     let untagged = create_e2b(&server, serde_json::json!({"team": "keep"})).await;
     // What the E2B sweep finds: the tagged sandboxes by their E2B paths, paused one included.
-    let target = sandspec::target::Target::connect_url_for(
+    let spec = sandspec::target::TargetSpec::new(
         sandspec::profile::Api::E2b,
-        &server.url,
-        "SANDSPEC_E2B_SWEEP_OWNER",
-        "SANDSPEC_E2B_SWEEP_OWNER",
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    let found = sandspec::live::sweep_older_than(
-        &target,
-        &server.tokens.owner,
-        std::time::Duration::ZERO,
-        true,
-    )
-    .await
-    .unwrap();
+        sandspec::target::Endpoint::Url(sandspec::target::UrlEndpoint::new(
+            &server.url,
+            "SANDSPEC_E2B_SWEEP_OWNER",
+            "SANDSPEC_E2B_SWEEP_OWNER",
+        )),
+    );
+    let target = sandspec::target::Target::open(spec.check().unwrap())
+        .await
+        .unwrap();
+    let found = target
+        .profile()
+        .sweep_older_than(
+            &target.conn(),
+            &server.tokens.owner,
+            std::time::Duration::ZERO,
+            true,
+        )
+        .await
+        .unwrap();
     let mut paths: Vec<String> = found.iter().map(|s| s.path.clone()).collect();
     paths.sort();
     let mut want = vec![
@@ -500,7 +505,7 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     };
     let code = tokio::task::spawn_blocking({
         let args = sweep(&["--dry-run"]);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -508,7 +513,7 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     assert_eq!(e2b_status_of(&server, &tagged).await, 200);
     let code = tokio::task::spawn_blocking({
         let args = sweep(&[]);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -520,7 +525,7 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     let code = tokio::task::spawn_blocking({
         let mut args = sweep(&[]);
         args.older_than = std::time::Duration::from_secs(3600);
-        move || sandspec::cli::sweep_blocking(args)
+        move || sandspec::commands::sweep_blocking(args)
     })
     .await
     .unwrap();
@@ -582,7 +587,7 @@ async fn a_peer_scenario_skips_without_a_peer() {
             argv.extend(["--peer-url".to_owned(), peer]);
         }
         let args = Wrapper::try_parse_from(argv).unwrap();
-        sandspec::cli::run(args.run)
+        sandspec::commands::run(args.run)
     };
     let without = dir.path().join("without");
     assert_eq!(run(without.clone(), None).await, ExitCode::from(1));
@@ -712,7 +717,7 @@ async fn default_serve_ends_partial_within_the_wait_budget() {
         args.run.max_wait,
         sandspec::cli::MaxWait(Some(std::time::Duration::from_secs(120)))
     );
-    let code = sandspec::cli::run(args.run).await;
+    let code = sandspec::commands::run(args.run).await;
     let report = receipt::predicate(&out);
     let scenarios = receipt::scenarios(&report);
     let failed: Vec<String> = scenarios
@@ -819,7 +824,7 @@ async fn scenarios_beyond_the_contract_skip_where_the_target_lacks_it() {
         &out.display().to_string(),
     ])
     .unwrap();
-    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
+    assert_eq!(sandspec::commands::run(args.run).await, ExitCode::from(1));
     let report = receipt::predicate(&out);
     let outcome = |id: &str| {
         let s = receipt::scenario(&report, id);
@@ -877,7 +882,7 @@ async fn e2b_profile_is_conformant_on_a_separate_server_and_a_defect_is_not() {
         &clean.display().to_string(),
     ])
     .unwrap();
-    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(0));
+    assert_eq!(sandspec::commands::run(args.run).await, ExitCode::from(0));
     assert_eq!(
         sandspec::evidence::verify_cli(&clean, None),
         0,
@@ -926,7 +931,7 @@ async fn e2b_profile_is_conformant_on_a_separate_server_and_a_defect_is_not() {
         &broken.display().to_string(),
     ])
     .unwrap();
-    assert_eq!(sandspec::cli::run(args.run).await, ExitCode::from(1));
+    assert_eq!(sandspec::commands::run(args.run).await, ExitCode::from(1));
     let (verdict, ids) = verdict_and_ids(&broken);
     assert_eq!(verdict, "non-conformant");
     assert_eq!(ids, ["E2B-OWN-001"]);
@@ -993,7 +998,7 @@ async fn advance_clock_waits_real_time_on_a_shared_target() {
         &out.display().to_string(),
     ])
     .unwrap();
-    sandspec::cli::run(args.run).await;
+    sandspec::commands::run(args.run).await;
     let report = receipt::predicate(&out);
     let scenarios = receipt::scenarios(&report);
     assert_eq!(scenarios.len(), 1);
@@ -1059,7 +1064,7 @@ async fn both_pass(
 ) -> (sandspec::engine::ScenarioRun, sandspec::engine::ScenarioRun) {
     use sandspec::engine::Outcome;
 
-    let [alone, beside]: [_; 2] = sandspec::cli::run_all(target, scenarios, "both", 2, 0)
+    let [alone, beside]: [_; 2] = sandspec::engine::run_all(target, scenarios, "both", 2, 0)
         .await
         .try_into()
         .expect("two runs");
@@ -1145,7 +1150,7 @@ async fn the_scenario_that_waits_longest_starts_first() {
         ..ReferenceOptions::default()
     };
     let target = Arc::new(Target::start_reference(&options).await.unwrap());
-    let runs = sandspec::cli::run_all(&target, &scenarios, "order", 1, 0).await;
+    let runs = sandspec::engine::run_all(&target, &scenarios, "order", 1, 0).await;
     assert!(
         runs.iter().all(|r| r.outcome == Outcome::Pass),
         "{:?}",

@@ -355,7 +355,7 @@ fn through_a_proxy() -> Trial {
             }
             let run_id = ulid::Ulid::new().to_string().to_lowercase();
             let results =
-                sandspec::cli::run_all(&Arc::new(target), &scenarios, &run_id, 8, 0).await;
+                sandspec::engine::run_all(&Arc::new(target), &scenarios, &run_id, 8, 0).await;
             let reports: Vec<ScenarioReport> = scenarios
                 .iter()
                 .zip(results)

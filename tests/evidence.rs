@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use sandspec::cli::run_all;
+use sandspec::engine::run_all;
 use sandspec::engine::{Body, Credential, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
 use sandspec::evidence::{
     ENVELOPE, Envelope, EvidenceError, OutcomeLabel, PAYLOAD_TYPE, Problem, Sanitizer, SigningKey,
@@ -999,7 +999,7 @@ fn verify_refuses_a_scope_that_does_not_add_up() {
     let shown: Vec<String> = problems.iter().map(ToString::to_string).collect();
     assert!(
         shown.iter().any(|p| p.contains(
-            "selection.subset is true but neither --profile, --filter nor --shard narrowed the run"
+            "selection.subset is true but neither --family, --filter nor --shard narrowed the run"
         )),
         "{shown:?}"
     );
@@ -1082,7 +1082,7 @@ fn a_subset_run_says_so_and_cannot_hide_it() {
 fn coverage_lists_every_must_clause_and_cannot_be_inflated() {
     let (_tmp, dest, copy_dir) = written_and_copy();
     let c = receipt(&dest).predicate.coverage;
-    let must: Vec<&str> = sandspec::scenario::must_clauses().collect();
+    let must: Vec<&str> = sandspec::profile::v1::must_clauses().collect();
     assert_eq!(c.must_clauses, must.len());
     assert_eq!(
         c.clauses

@@ -10,6 +10,7 @@
 mod support;
 
 mod agent_sandbox;
+mod architecture;
 mod cli_run;
 mod evidence;
 mod fuzz;

@@ -85,7 +85,7 @@ async fn run(
     ];
     argv.extend(extra.iter().map(|s| (*s).to_owned()));
     let args = Wrapper::try_parse_from(argv).unwrap();
-    tokio::time::timeout(NEVER, sandspec::cli::run(args.run))
+    tokio::time::timeout(NEVER, sandspec::commands::run(args.run))
         .await
         .expect("the run ends")
 }
@@ -333,7 +333,7 @@ async fn a_target_that_ignores_list_filters_loses_nothing() {
     ])
     .unwrap()
     .sweep;
-    let code = tokio::task::spawn_blocking(move || sandspec::cli::sweep_blocking(args))
+    let code = tokio::task::spawn_blocking(move || sandspec::commands::sweep_blocking(args))
         .await
         .unwrap();
     assert_eq!(code, ExitCode::from(0));

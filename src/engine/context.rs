@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::created::Created;
 use super::expect::{Observed, problem_code};
-use super::ledger::{Created, Leftover};
 use super::outcome::Outcome;
 use super::transcript::{Body, Credential, Entry, HttpExchange, Note, record_headers};
 use super::vars::{VarError, Vars};
-use crate::scenario::{Method, Principal, Request, Via};
+use crate::live::Leftover;
+use crate::scenario::{Method, Principal, Via};
 use crate::target::{Target, describe_reqwest};
 
 /// The header that carries the run's canary secret on every request.
@@ -33,7 +34,7 @@ pub(super) fn ms(d: Duration) -> u64 {
 
 /// How a step went wrong.
 #[derive(Debug)]
-pub(super) enum StepError {
+pub(crate) enum StepError {
     /// The target misbehaved.
     Fail(String),
     /// The harness could not carry on.
@@ -67,7 +68,7 @@ impl From<VarError> for StepError {
 }
 
 /// State of one scenario run.
-pub(super) struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     pub(super) target: &'a Target,
     pub(super) vars: Vars<'a>,
     pub(super) started: Instant,
@@ -89,7 +90,7 @@ pub(super) struct Ctx<'a> {
     pub(super) expiry_held: bool,
     /// The MCP server processes of the run by session name (MCP profile); the steps end
     /// them, and whatever a failed step left running is ended before the cleanup.
-    pub(super) mcp_sessions: BTreeMap<String, super::steps::McpSession>,
+    pub(super) mcp_sessions: BTreeMap<String, crate::mcp::RunSession>,
     /// The faults the scenario injected, each with the steps that passed after it.
     pub(super) faults: Vec<FaultRecord>,
 }
@@ -166,88 +167,6 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// The request to send: variables rendered, the body encoded, and bridge requests signed
-    /// (their secret is registered with the sanitizer here).
-    pub(super) fn prepare(&mut self, r: &Request) -> Result<Prepared, StepError> {
-        let path = self.vars.render(&r.path)?;
-        let mut query = Vec::new();
-        for (k, v) in &r.query {
-            query.push((k.clone(), self.vars.render(v)?));
-        }
-        let mut headers = vec![(CANARY_HEADER.to_owned(), self.target.canary.clone())];
-        let mut literal_auth = false;
-        for (k, v) in &r.headers {
-            if is_credential_header(k) {
-                literal_auth = true;
-            }
-            headers.push((k.clone(), self.vars.render(v)?));
-        }
-        let body = if let Some(json) = &r.json {
-            let value = self.vars.render_json(&json.value)?;
-            Some((
-                serde_json::to_vec(&value).expect("JSON values serialize"),
-                "application/json".to_owned(),
-            ))
-        } else if let Some(t) = &r.body_text {
-            Some((
-                self.vars.render(t)?.into_bytes(),
-                "text/plain; charset=utf-8".to_owned(),
-            ))
-        } else if let Some(b) = &r.body_base64 {
-            use base64::Engine as _;
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(b.value.as_bytes())
-                .unwrap_or_default();
-            Some((bytes, "application/octet-stream".to_owned()))
-        } else {
-            None
-        };
-        let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
-        let mut envd_host = None;
-        if let Some(sandbox) = &r.envd {
-            let sandbox = self.vars.render(sandbox)?;
-            let port = super::steps::ENVD_PORT;
-            match &self.target.envd_domain {
-                Some(domain) => envd_host = Some(format!("https://{port}-{sandbox}.{domain}")),
-                None => {
-                    headers.push(("E2b-Sandbox-Id".to_owned(), sandbox));
-                    headers.push(("E2b-Sandbox-Port".to_owned(), port.to_string()));
-                }
-            }
-        }
-        let target = with_query(&path, &query);
-        if let Some(sign) = &r.bridge_signature {
-            let secret = self.vars.render(&sign.secret)?;
-            // The signed target is the one on the wire, including any path prefix of the
-            // base URL, after the URL parser's normalization.
-            let url = reqwest::Url::parse(&format!("{}{target}", self.base(r.via)))
-                .map_err(|e| StepError::Error(format!("cannot sign `{target}`: {e}")))?;
-            let on_wire = match url.query() {
-                Some(q) => format!("{}?{q}", url.path()),
-                None => url.path().to_owned(),
-            };
-            let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
-            let body = p_body(&body);
-            let signature =
-                super::bridge::signature(&secret, r.method.as_str(), &on_wire, body, &timestamp);
-            headers.push((super::bridge::TIMESTAMP_HEADER.to_owned(), timestamp));
-            headers.push((super::bridge::SIGNATURE_HEADER.to_owned(), signature));
-            if !self.secrets.contains(&secret) {
-                self.secrets.push(secret);
-            }
-        }
-        Ok(Prepared {
-            via: r.via,
-            method: r.method,
-            target,
-            principal: r.principal,
-            headers,
-            literal_auth,
-            body,
-            envd_host,
-        })
-    }
-
     pub(super) fn builder(
         &self,
         client: &reqwest::Client,
@@ -261,7 +180,7 @@ impl<'a> Ctx<'a> {
             && let Some(token) = self.token(p.principal)
         {
             // The admin token opens the test controls, which are on the native surface
-            // (`/v1/test/...`) whatever the profile: it always goes as a bearer token.
+            // (`/v1/test/...`) whatever the profile: it always goes as `/v1` sends it.
             let api = match p.principal {
                 Principal::Admin => crate::profile::Api::V1,
                 _ => self.target.api,
@@ -347,6 +266,35 @@ impl<'a> Ctx<'a> {
         };
         self.transcript.push(Entry::Http(exchange));
         result
+    }
+
+    /// Adds what a successful create made to the ledger (once per object).
+    pub(super) fn remember_created(&mut self, p: &Prepared, obs: &Observed) {
+        if p.method != Method::Post || obs.status != 201 {
+            return;
+        }
+        let Ok(json) = obs.json() else {
+            return;
+        };
+        let path = p.target.split('?').next().unwrap_or_default();
+        let created = self
+            .target
+            .profile()
+            .created(p.method.as_str(), path, obs.status, &json);
+        for creation in created {
+            if let Some(token) = &creation.token
+                && !self.secrets.contains(token)
+            {
+                self.secrets.push(token.clone());
+            }
+            if !self.ledger.iter().any(|c| c.creation.path == creation.path) {
+                self.ledger.push(Created {
+                    creation,
+                    principal: p.principal,
+                    by_sweep: false,
+                });
+            }
+        }
     }
 
     /// Follows a list's pages and returns every `data[*].id`.

@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::context::{Ctx, FaultRecord, StepError, ms};
-use super::ledger::Leftover;
 use super::outcome::Outcome;
-use super::steps;
 use super::transcript::Entry;
 use super::vars::{VarError, Vars};
+use crate::live::Leftover;
+use crate::profile::CapabilitySource;
 use crate::scenario::{Scenario, Step, step_label};
 use crate::target::{OwnDatabase, Target};
 
@@ -163,7 +163,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         for (i, step) in scenario.steps.iter().enumerate() {
             let label = step_label("steps", i, step);
             current.clone_from(&label);
-            if let Err(e) = steps::run(step, &mut ctx, &label).await {
+            if let Err(e) = step.run(&mut ctx, &label).await {
                 return e.into_outcome(label);
             }
             ctx.passed(&label);
@@ -184,7 +184,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         for (i, step) in scenario.cleanup.iter().enumerate() {
             let label = step_label("cleanup", i, step);
             current.clone_from(&label);
-            match steps::run(step, &mut ctx, &label).await {
+            match step.run(&mut ctx, &label).await {
                 Ok(()) => {}
                 // A cleanup step for something that was never created has nothing to do.
                 Err(StepError::Var(VarError::Missing(name))) => {
@@ -213,7 +213,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     // that is its point (every step expected an error status).
     if outcome == Outcome::Pass
         && !ctx.saw_success
-        && scenario.steps.iter().any(steps::expects_success)
+        && scenario.steps.iter().any(Step::expects_success)
     {
         outcome = Outcome::Fail {
             step: "scenario".into(),
@@ -270,7 +270,7 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             let advertised = target.capabilities.raw["features"]
                 .as_array()
                 .is_some_and(|f| f.iter().any(|f| f.as_str() == Some(cap.value.as_str())));
-            if !target.api.has_capabilities_endpoint() {
+            if target.profile().capability_source() == CapabilitySource::Told {
                 return Some(format!(
                     "{} targets advertise no capabilities and `{}` was not assumed (--assume-capability)",
                     target.api.name(),
@@ -289,7 +289,7 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             .steps
             .iter()
             .chain(&scenario.cleanup)
-            .any(steps::uses_admin)
+            .any(Step::uses_admin)
     {
         return Some("no admin token (--admin-token-env)".into());
     }
@@ -320,7 +320,7 @@ impl Ctx<'_> {
         let mut total = margin;
         for step in part {
             total += MARGIN_PER_STEP;
-            total += steps::waits(step, self);
+            total += step.waits(self);
         }
         total
     }

@@ -1,23 +1,23 @@
-//! Step kinds. Each kind lives in its own module and implements [`StepKind`] (its name in
-//! the transcript and in failures is the scenario model's `Step::label`): what it waits for (the scenario's deadline
-//! grows by that), whether it expects a success (the vacuity rule), whether it needs the
-//! admin token, and how it runs against the shared [`Ctx`].
-//!
-//! A new kind is a new module, a variant of [`Step`] in the scenario model, and one arm in
-//! [`dispatch!`]; nothing else in the engine changes.
+//! Step kinds. Each kind is one module: its model (what a scenario file may say for it), its
+//! checks, its waits and deadline, and its run ([`StepKind`]). The registry below names every
+//! kind once, by the key a scenario file writes (`- request: {...}`); the [`Step`] enum and
+//! the dispatch to each kind are generated from it. A new kind is a new module (with its `mod`
+//! line) and one line in the registry; nothing else in the parser or the engine changes.
 
 use std::time::Duration;
 
-pub(super) use mcp::Session as McpSession;
+use serde::Deserialize;
 
 use super::context::{Ctx, StepError};
-use crate::scenario::{Expect, Step};
+use super::vars::Vars;
+use crate::scenario::{CheckCtx, Checker, Scope};
 
 mod absent;
 mod clock;
 mod connect;
 mod digest;
 mod fault;
+mod kind;
 mod mcp;
 mod parallel;
 mod poll;
@@ -27,100 +27,112 @@ mod sleep;
 mod snapshot;
 mod sse;
 
-pub(super) use connect::ENVD_PORT;
+pub use absent::Absent;
+pub use clock::AdvanceClock;
+pub use connect::Connect;
+pub use digest::{Digest, ExpectDigestUnchanged};
+pub use fault::{Fault, KillServer, RestartServer, StartDatabase, StopDatabase};
+pub use kind::StepKind;
+pub use mcp::Mcp;
+pub use parallel::{Parallel, Tally};
+pub use poll::Poll;
+pub use request::{BridgeSignature, Request};
+pub use restart::Restart;
+pub use sleep::Sleep;
+pub use snapshot::{ExpectSnapshotUnchanged, Snapshot};
+pub use sse::{EventCheck, Sse, Until};
 
-/// One kind of step.
-pub(super) trait StepKind {
-    /// How long the step may wait by its own declaration (a poll's window, a stream's
-    /// deadline, a sleep), beyond the moment any request takes.
-    fn waits(&self, _ctx: &Ctx<'_>) -> Duration {
-        Duration::ZERO
-    }
+/// Generates [`Step`] from the registry, and its dispatch to each kind's [`StepKind`].
+macro_rules! step_kinds {
+    ($($(#[$doc:meta])* $key:literal => $variant:ident($kind:ty),)*) => {
+        /// One step. The key names the kind: `- request: {...}`.
+        #[derive(Debug, Clone, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub enum Step {
+            $($(#[$doc])* #[serde(rename = $key)] $variant($kind),)*
+        }
 
-    /// Whether the step expects a 2xx answer from the target.
-    fn expects_success(&self) -> bool {
-        false
-    }
+        impl Step {
+            /// The key that names the kind in a scenario file.
+            pub fn kind(&self) -> &'static str {
+                match self { $(Step::$variant(_) => $key,)* }
+            }
 
-    /// Whether the step authenticates as the admin principal.
-    fn uses_admin(&self) -> bool {
-        false
-    }
+            /// What messages call the step; negative controls name steps by it.
+            pub fn label(&self) -> String {
+                match self { $(Step::$variant(k) => k.label(),)* }
+            }
 
-    /// Runs the step; `label` names it in what it records.
-    async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError>;
-}
+            /// The kind's checks of the step (see [`StepKind::check`]).
+            pub fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+                match self { $(Step::$variant(k) => k.check(c, scope, ctx),)* }
+            }
 
-/// Binds `$k` to the [`StepKind`] behind `$step` and evaluates `$body`.
-macro_rules! dispatch {
-    ($step:expr, $k:ident => $body:expr) => {
-        match $step {
-            Step::Request($k) => $body,
-            Step::Sse($k) => $body,
-            Step::Poll($k) => $body,
-            Step::Digest($k) => $body,
-            Step::ExpectDigestUnchanged(s) => {
-                let $k = &digest::Unchanged(s);
-                $body
+            /// The step's own deadline, for the steps that wait for something to happen.
+            pub fn deadline(&self) -> Option<&crate::scenario::NumExpr> {
+                match self { $(Step::$variant(k) => k.deadline(),)* }
             }
-            Step::Snapshot($k) => $body,
-            Step::ExpectSnapshotUnchanged(s) => {
-                let $k = &snapshot::Unchanged(s);
-                $body
+
+            /// What the step waits for by the target's settings (see
+            /// [`StepKind::advertised_wait`]).
+            pub fn advertised_wait(
+                &self,
+                vars: &Vars<'_>,
+                clock_movable: bool,
+            ) -> Option<(String, u64)> {
+                match self { $(Step::$variant(k) => k.advertised_wait(vars, clock_movable),)* }
             }
-            Step::Parallel($k) => $body,
-            Step::Sleep($k) => $body,
-            Step::AdvanceClock($k) => $body,
-            Step::Absent($k) => $body,
-            Step::Connect($k) => $body,
-            Step::Mcp($k) => $body,
-            Step::KillServer(f) => {
-                let $k = &fault::Inject(fault::FaultKind::KillServer, &f.value);
-                $body
+
+            /// Whether the step expects a 2xx answer from the target.
+            pub fn expects_success(&self) -> bool {
+                match self { $(Step::$variant(k) => k.expects_success(),)* }
             }
-            Step::RestartServer(f) => {
-                let $k = &fault::Inject(fault::FaultKind::RestartServer, &f.value);
-                $body
+
+            /// Whether the step authenticates as the admin principal.
+            pub fn uses_admin(&self) -> bool {
+                match self { $(Step::$variant(k) => k.uses_admin(),)* }
             }
-            Step::StopDatabase(f) => {
-                let $k = &fault::Inject(fault::FaultKind::StopDatabase, &f.value);
-                $body
+
+            /// How long the step may wait by its own declaration.
+            pub(in crate::engine) fn waits(&self, ctx: &Ctx<'_>) -> Duration {
+                match self { $(Step::$variant(k) => k.waits(ctx),)* }
             }
-            Step::StartDatabase(f) => {
-                let $k = &fault::Inject(fault::FaultKind::StartDatabase, &f.value);
-                $body
+
+            /// Runs the step; `label` names it in what it records.
+            pub(in crate::engine) async fn run(
+                &self,
+                ctx: &mut Ctx<'_>,
+                label: &str,
+            ) -> Result<(), StepError> {
+                match self { $(Step::$variant(k) => k.run(ctx, label).await,)* }
             }
-            Step::Restart($k) => $body,
         }
     };
 }
 
-pub(super) fn waits(step: &Step, ctx: &Ctx<'_>) -> Duration {
-    dispatch!(step, k => k.waits(ctx))
-}
-
-pub(super) fn expects_success(step: &Step) -> bool {
-    dispatch!(step, k => k.expects_success())
-}
-
-pub(super) fn uses_admin(step: &Step) -> bool {
-    dispatch!(step, k => k.uses_admin())
-}
-
-pub(super) async fn run(step: &Step, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
-    dispatch!(step, k => k.run(ctx, label).await)
-}
-
-/// Whether `e` allows a 2xx (an expectation without a status expects one).
-fn expects_2xx(e: &Expect) -> bool {
-    match (e.status, e.status_in.as_slice()) {
-        (Some(st), _) => (200..300).contains(&st),
-        (None, []) => true,
-        (None, list) => list.iter().any(|st| (200..300).contains(st)),
-    }
-}
-
-/// Seconds from a number a step declares; one that cannot be worked out yet counts as none.
-fn secs(n: Result<i64, super::vars::VarError>) -> Duration {
-    Duration::from_secs(n.ok().and_then(|n| u64::try_from(n).ok()).unwrap_or(0))
+step_kinds! {
+    "request" => Request(request::Request),
+    "sse" => Sse(sse::Sse),
+    "poll" => Poll(poll::Poll),
+    "digest" => Digest(digest::Digest),
+    "expect_digest_unchanged" => ExpectDigestUnchanged(digest::ExpectDigestUnchanged),
+    "snapshot" => Snapshot(snapshot::Snapshot),
+    "expect_snapshot_unchanged" => ExpectSnapshotUnchanged(snapshot::ExpectSnapshotUnchanged),
+    "parallel" => Parallel(parallel::Parallel),
+    "sleep" => Sleep(sleep::Sleep),
+    /// Lets time pass on the target: moves its test clock (TC-9.12) on a deployment of the
+    /// scenario's own, else waits it out.
+    "advance_clock" => AdvanceClock(clock::AdvanceClock),
+    "absent" => Absent(absent::Absent),
+    "connect" => Connect(connect::Connect),
+    "mcp" => Mcp(mcp::Mcp),
+    /// SIGKILL to a server process of a deployment the runner controls.
+    "kill_server" => KillServer(fault::KillServer),
+    /// Starts a server process again on its data directory, database and port.
+    "restart_server" => RestartServer(fault::RestartServer),
+    /// Stops the deployment's database server abruptly.
+    "stop_database" => StopDatabase(fault::StopDatabase),
+    /// Starts the deployment's database server again.
+    "start_database" => StartDatabase(fault::StartDatabase),
+    "restart" => Restart(restart::Restart),
 }

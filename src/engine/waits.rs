@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use super::vars::Vars;
-use crate::scenario::{NumExpr, Scenario, Step};
+use crate::scenario::Scenario;
 use crate::target::Capabilities;
 
 /// How the skip reason of a scenario over the budget begins.
@@ -51,36 +51,10 @@ pub fn waits(scenario: &Scenario, caps: &Capabilities, clock_movable: bool) -> V
                 .map(|(i, s)| (format!("cleanup[{i}]"), s)),
         );
     for (at, step) in steps {
-        let step_label = format!("{at} {}", step.kind());
-        let deadline = match step {
-            Step::Sleep(s) => {
-                out.push(Wait {
-                    step: step_label,
-                    what: format!("sleep {} ms", s.ms.value),
-                    seconds: s.ms.value.div_ceil(1000),
-                });
-                continue;
-            }
-            Step::AdvanceClock(a) => {
-                if let (false, Ok(seconds)) = (clock_movable, vars.num(&a.s)) {
-                    out.push(Wait {
-                        step: step_label,
-                        what: format!("advance_clock {} = {seconds} s", a.s.expr),
-                        seconds: u64::try_from(seconds).unwrap_or(0),
-                    });
-                }
-                continue;
-            }
-            other => other.deadline(),
-        };
-        let Some(deadline) = deadline.filter(|n| advertised(n)) else {
-            continue;
-        };
-        if let Ok(seconds) = vars.num(deadline) {
-            let seconds = u64::try_from(seconds).unwrap_or(0);
+        if let Some((what, seconds)) = step.advertised_wait(&vars, clock_movable) {
             out.push(Wait {
-                step: step_label,
-                what: format!("within_s {} = {seconds} s", deadline.expr),
+                step: format!("{at} {}", step.kind()),
+                what,
                 seconds,
             });
         }
@@ -92,13 +66,6 @@ pub fn waits(scenario: &Scenario, caps: &Capabilities, clock_movable: bool) -> V
 /// the order in which the runner starts scenarios (longest first).
 pub fn total_s(waits: &[Wait]) -> u64 {
     waits.iter().map(|w| w.seconds).sum()
-}
-
-/// Whether a deadline grows with a number the target advertises.
-fn advertised(n: &NumExpr) -> bool {
-    n.expr
-        .var()
-        .is_some_and(|v| v.starts_with("limits.") || v.starts_with("retention."))
 }
 
 /// Why the scenario is over `budget`, if it is: the total and each wait that made it.

@@ -6,7 +6,7 @@ use base64::Engine as _;
 use super::receipt::strip_userinfo;
 use super::sanitize::{REDACTED, Sanitizer};
 use crate::engine::{Body, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
-use crate::report::{ProfileVerdict, RunReport, ScenarioReport, TargetInfo};
+use crate::report::{FamilyVerdict, RunReport, ScenarioReport, TargetInfo};
 
 /// A copy of `report` with every string sanitized, for anything else that writes a report
 /// (a `report.json`, logs). Binary bodies holding a secret are dropped, as in a run folder.
@@ -37,8 +37,8 @@ impl<'a> Cleaner<'a> {
         self.sanitizer.text(text).into_owned()
     }
 
-    fn leftover(&self, l: &crate::engine::Leftover) -> crate::engine::Leftover {
-        crate::engine::Leftover {
+    fn leftover(&self, l: &crate::live::Leftover) -> crate::live::Leftover {
+        crate::live::Leftover {
             path: self.s(&l.path),
             removed: l.removed,
         }
@@ -72,7 +72,7 @@ impl<'a> Cleaner<'a> {
             profiles: r
                 .profiles
                 .iter()
-                .map(|p| ProfileVerdict {
+                .map(|p| FamilyVerdict {
                     reason: p.reason.as_deref().map(|t| self.s(t)),
                     ..p.clone()
                 })

@@ -6,6 +6,7 @@
 //! secret or the run's canary, and writes nothing at all if one survives.
 
 mod clean;
+mod folder;
 mod html;
 mod normalize;
 mod placeholders;
@@ -18,6 +19,7 @@ mod verify;
 mod writer;
 
 pub use clean::sanitized_report;
+pub use folder::sha256_hex;
 pub use normalize::normalize;
 pub use placeholders::Placeholders;
 pub use receipt::{
@@ -34,4 +36,4 @@ pub use sign::{
     ENVELOPE, Envelope, EnvelopeSignature, KeyError, PAYLOAD_TYPE, SigningKey, VerifyingKey, pae,
 };
 pub use verify::{Problem, VerifyReport, verify, verify_cli, verify_with_key};
-pub use writer::{EvidenceError, WriteOptions, default_run_dir, sha256_hex, write_run_folder};
+pub use writer::{EvidenceError, WriteOptions, default_run_dir, write_run_folder};

@@ -80,7 +80,7 @@ impl Subject {
             .unwrap_or_else(|| "sandspec".to_owned());
         Ok(Subject {
             name,
-            sha256: super::writer::sha256_hex(&bytes),
+            sha256: super::folder::sha256_hex(&bytes),
             source: SubjectSource::ReferenceBinary,
         })
     }
@@ -109,7 +109,7 @@ impl Subject {
                 let doc = serde_json::to_vec(&target.capabilities).unwrap_or_default();
                 Subject {
                     name,
-                    sha256: super::writer::sha256_hex(&doc),
+                    sha256: super::folder::sha256_hex(&doc),
                     source: SubjectSource::CapabilitiesDocument,
                 }
             }
@@ -592,7 +592,7 @@ impl Statement {
                 selected: 0,
                 catalog: 0,
             });
-        let coverage = Coverage::of(crate::scenario::must_clauses(), &scenarios);
+        let coverage = Coverage::of(crate::profile::v1::must_clauses(), &scenarios);
         let caps = &report.target.capabilities;
         let target = TargetIdentity {
             kind: report.target.kind.clone(),

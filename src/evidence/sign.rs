@@ -15,10 +15,9 @@ use base64::Engine as _;
 use ring::signature::{ED25519, Ed25519KeyPair, KeyPair as _, UnparsedPublicKey};
 use serde::{Deserialize, Serialize};
 
-use super::writer::sha256_hex;
+pub use super::folder::ENVELOPE;
+use super::folder::sha256_hex;
 
-/// The envelope's file name in a run folder.
-pub const ENVELOPE: &str = "receipt.dsse.json";
 /// DSSE payload type of an in-toto Statement.
 pub const PAYLOAD_TYPE: &str = "application/vnd.in-toto+json";
 

@@ -16,11 +16,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use super::folder::{MANIFEST, Manifest, RECEIPT, sha256_hex};
 use super::receipt::{Coverage, OutcomeLabel, Receipt, Statement, suite_commit};
 use super::sanitize::Sanitizer;
 use super::schema::validate_receipt;
 use super::sign::{ENVELOPE, Envelope, VerifyingKey, envelope_problems};
-use super::writer::{MANIFEST, Manifest, RECEIPT, scanned_leaks, sha256_hex};
 use crate::report::{ALL, Judged, RunFacts, judge};
 use crate::scenario::Level;
 
@@ -322,7 +322,7 @@ fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
     let narrowed = !sel.filters.is_empty() || sel.shard.is_some() || sel.profile != ALL;
     if !narrowed && sel.subset {
         bad(
-            "selection.subset is true but neither --profile, --filter nor --shard narrowed the run"
+            "selection.subset is true but neither --family, --filter nor --shard narrowed the run"
                 .to_owned(),
         );
     }
@@ -462,7 +462,7 @@ fn coverage_follows(statement: &Statement) -> Vec<Problem> {
     }
     let commit = suite_commit();
     if commit != "unknown" && r.suite.commit == commit {
-        let known: Vec<&str> = crate::scenario::must_clauses().collect();
+        let known: Vec<&str> = crate::profile::v1::must_clauses().collect();
         if stated != known {
             out.push(Problem::Inconsistent(format!(
                 "coverage lists {} MUST clauses; docs/protocol.md of this suite's commit has {}",
@@ -547,4 +547,33 @@ pub fn verify_cli(dir: &Path, key: Option<&Path>) -> i32 {
         report.problems.len()
     );
     1
+}
+
+/// Every leftover in one file of a folder as (line, kind). HTML is scanned as written and as
+/// read, with its escapes undone. The envelope is not scanned: its payload is `receipt.json`,
+/// scanned itself, and its signature field is not a credential (`verify` checks its form).
+pub(crate) fn scanned_leaks(scanner: &Sanitizer, name: &str, bytes: &[u8]) -> Vec<(usize, String)> {
+    if name == ENVELOPE {
+        return Vec::new();
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
+    let mut found: Vec<(usize, String)> = scanner
+        .leaks(&text)
+        .into_iter()
+        .map(|l| (line_of(l.offset), l.what))
+        .collect();
+    if name.ends_with(".html") {
+        // Undoing escapes keeps every line break where it was, so line numbers still hold.
+        let read = super::html::unescape(&text);
+        let line_of = |offset: usize| read[..offset.min(read.len())].matches('\n').count() + 1;
+        for l in scanner.leaks(&read) {
+            let hit = (line_of(l.offset), l.what);
+            if !found.contains(&hit) {
+                found.push(hit);
+            }
+        }
+        found.sort();
+    }
+    found
 }

@@ -14,22 +14,18 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
+use serde::Serialize;
 
 use super::clean::Cleaner;
+use super::folder::{
+    ENVELOPE, JUNIT, MANIFEST, Manifest, ManifestEntry, RECEIPT, REPORT, SUMMARY, sha256_hex,
+};
 use super::receipt::{Environment, FileRef, ReceiptInput, SanitizerInfo, Statement, Subject};
 use super::sanitize::{Sanitizer, SecretError};
 use super::schema::validate_receipt;
-use super::sign::{ENVELOPE, SigningKey};
+use super::sign::SigningKey;
+use super::verify::scanned_leaks;
 use crate::report::{RunReport, junit_xml};
-
-/// The manifest's own name; it lists every other file.
-pub(crate) const MANIFEST: &str = "manifest.json";
-pub(crate) const RECEIPT: &str = "receipt.json";
-pub(crate) const SUMMARY: &str = "summary.md";
-pub(crate) const JUNIT: &str = "junit.xml";
-pub(crate) const REPORT: &str = "report.html";
 
 /// What the writer needs besides the report and the sanitizer.
 #[derive(Debug, Clone)]
@@ -77,26 +73,6 @@ pub enum EvidenceError {
     Json(#[from] serde_json::Error),
     #[error("write evidence: report.html")]
     Report(#[from] super::html::HtmlError),
-}
-
-/// `manifest.json`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Manifest {
-    pub files: Vec<ManifestEntry>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ManifestEntry {
-    pub path: String,
-    pub sha256: String,
-    pub bytes: u64,
-}
-
-/// Lowercase hex SHA-256.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }
 
 /// `<root>/evidence/runs/<run-id>`, the default destination.
@@ -237,35 +213,6 @@ fn scan(scanner: &Sanitizer, name: &str, bytes: &[u8]) -> Result<(), EvidenceErr
             what,
         }),
     }
-}
-
-/// Every leftover in one file of a folder as (line, kind). HTML is scanned as written and as
-/// read, with its escapes undone. The envelope is not scanned: its payload is `receipt.json`,
-/// scanned itself, and its signature field is not a credential (`verify` checks its form).
-pub(crate) fn scanned_leaks(scanner: &Sanitizer, name: &str, bytes: &[u8]) -> Vec<(usize, String)> {
-    if name == ENVELOPE {
-        return Vec::new();
-    }
-    let text = String::from_utf8_lossy(bytes);
-    let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
-    let mut found: Vec<(usize, String)> = scanner
-        .leaks(&text)
-        .into_iter()
-        .map(|l| (line_of(l.offset), l.what))
-        .collect();
-    if name.ends_with(".html") {
-        // Undoing escapes keeps every line break where it was, so line numbers still hold.
-        let read = super::html::unescape(&text);
-        let line_of = |offset: usize| read[..offset.min(read.len())].matches('\n').count() + 1;
-        for l in scanner.leaks(&read) {
-            let hit = (line_of(l.offset), l.what);
-            if !found.contains(&hit) {
-                found.push(hit);
-            }
-        }
-        found.sort();
-    }
-    found
 }
 
 /// `transcripts/<ID>.json`, with characters a file name should not hold replaced and

@@ -4,7 +4,7 @@
 mod session;
 pub mod toolmap;
 
-pub use session::{Exchange, McpError, McpSession, ServerCommand, Shutdown, ToolReply};
+pub use session::{Exchange, McpError, McpSession, RunSession, ServerCommand, Shutdown, ToolReply};
 pub use toolmap::{Action, ToolMap};
 
 /// The MCP server a run drives (`--mcp-server`) and the map of its tools (`--tool-map`).

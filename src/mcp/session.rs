@@ -11,6 +11,14 @@ use rmcp::service::{RoleClient, RunningService};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+/// One MCP server process of a scenario run, and how much of what it exchanged the run's
+/// transcript holds already.
+pub struct RunSession {
+    pub session: McpSession,
+    /// How many of the session's exchanges are in the transcript already.
+    pub recorded: usize,
+}
+
 /// How to start the server under test.
 #[derive(Debug, Clone)]
 pub struct ServerCommand {

@@ -9,7 +9,7 @@ use std::fmt;
 use serde::de::{self, Deserialize, Deserializer};
 use serde_saphyr::Spanned;
 
-use super::model::Pos;
+use super::pos::Pos;
 
 /// An operand: a variable or an integer literal.
 #[derive(Debug, Clone, PartialEq, Eq)]

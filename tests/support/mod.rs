@@ -5,6 +5,7 @@ pub mod command;
 pub mod faulty_proxy;
 pub mod http;
 pub mod listening;
+pub mod modules;
 pub mod owner;
 pub mod receipt;
 pub mod runtime;

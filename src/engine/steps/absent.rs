@@ -3,11 +3,42 @@
 
 use serde_json::Value;
 
-use super::StepKind;
+use serde::Deserialize;
+
+use super::kind::{StepKind, named};
 use crate::engine::context::{Ctx, Prepared, StepError};
-use crate::scenario::{Absent, Method, Principal, Via};
+use crate::scenario::{CheckCtx, Checker, Method, Principal, Scope, Template, Via};
+
+/// An independent absence check: a fresh HTTP client, GET by path expecting 404
+/// `not_found`, and the ID in no page of the list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Absent {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    /// The object's URL path, e.g. `/v1/sandboxes/{{sbx}}`.
+    pub path: Template,
+    /// The list to search, e.g. `/v1/sandboxes`.
+    pub list: Template,
+    /// The ID that must not appear in the list's `data[*].id`.
+    pub id: Template,
+}
 
 impl StepKind for Absent {
+    fn label(&self) -> String {
+        named(self.name.as_deref(), || "absent".to_owned())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        c.principal(self.principal, self.path.pos, ctx);
+        for t in [&self.path, &self.list, &self.id] {
+            c.template(t, scope, ctx);
+        }
+    }
+
     fn uses_admin(&self) -> bool {
         self.principal == Principal::Admin
     }

@@ -4,11 +4,46 @@
 
 use std::time::Duration;
 
-use super::{StepKind, secs};
+use serde::Deserialize;
+
+use super::kind::{StepKind, named, secs};
 use crate::engine::context::{Ctx, Prepared, StepError};
-use crate::scenario::{AdvanceClock, Method, Principal, Via};
+use crate::engine::vars::Vars;
+use crate::scenario::{CheckCtx, Checker, Method, NumExpr, Principal, Scope, Via};
+
+/// Time passing on the target's clock: `s` seconds (a number or an expression over advertised
+/// limits, `retention.events_s + 1`). On a deployment the runner started for the scenario
+/// alone, and which advertises `test_clock`, the runner moves the target's clock (TC-9.12);
+/// anywhere else it waits the time out, as a `sleep` would.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdvanceClock {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub s: NumExpr,
+}
 
 impl StepKind for AdvanceClock {
+    fn label(&self) -> String {
+        named(self.name.as_deref(), || "advance_clock".to_owned())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        c.num(&self.s, scope, ctx);
+    }
+
+    /// Time waited out, unless the runner moves the target's clock instead.
+    fn advertised_wait(&self, vars: &Vars<'_>, clock_movable: bool) -> Option<(String, u64)> {
+        if clock_movable {
+            return None;
+        }
+        let seconds = vars.num(&self.s).ok()?;
+        Some((
+            format!("advance_clock {} = {seconds} s", self.s.expr),
+            u64::try_from(seconds).unwrap_or(0),
+        ))
+    }
+
     fn waits(&self, ctx: &Ctx<'_>) -> Duration {
         if ctx.target.clock_movable() {
             ctx.target.request_timeout

@@ -9,17 +9,128 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{StepKind, secs};
+use std::collections::BTreeMap;
+
+use regex::Regex;
+use serde::Deserialize;
+
+use super::kind::{StepKind, secs};
+
 use crate::connect::{self, Item};
 use crate::engine::context::{CANARY_HEADER, Ctx, StepError, exchange, ms};
 use crate::engine::expect::{Observed, json_check};
 use crate::engine::transcript::{Body, Credential, Entry, HttpExchange, record_headers};
-use crate::scenario::Connect;
+use crate::profile::e2b::envd_route;
+use crate::scenario::{
+    Capture, CheckCtx, Checker, JsonCheck, Located, NumExpr, Pos, Scope, Template, present,
+};
 
-/// envd's port, the one `E2b-Sandbox-Port` and the host form name.
-pub const ENVD_PORT: u16 = 49983;
+/// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or
+/// a server stream read to its end-of-stream message.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Connect {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The E2B ID of the sandbox whose envd answers.
+    pub sandbox: Template,
+    /// `package.Service/Method`, e.g. `process.Process/Start`.
+    pub rpc: Located<String>,
+    /// A server-streaming RPC (`application/connect+json` envelopes).
+    #[serde(default)]
+    pub stream: bool,
+    /// The request message; `{}` when absent.
+    #[serde(default, deserialize_with = "present")]
+    pub message: Option<Located<serde_json::Value>>,
+    /// The sandbox's envd access token (`X-Access-Token`), for a secure sandbox.
+    #[serde(default)]
+    pub access_token: Option<Template>,
+    /// How long the whole call (a stream: to its end) may take; the request timeout when
+    /// absent.
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// The Connect error code expected (`not_found`, ...); absent: success.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// A stream read only until one message holds every one of these checks, then closed
+    /// by the client (a background process keeps running: closing never ends it). The
+    /// stream ending first fails the step.
+    #[serde(default)]
+    pub until: Vec<JsonCheck>,
+    /// Checks on the response message (unary); for a stream, each check must hold in some
+    /// message.
+    #[serde(default)]
+    pub json: Vec<JsonCheck>,
+    /// Captures by JSON pointer: from the response (unary) or from the first message the
+    /// pointer resolves in (a stream).
+    #[serde(default)]
+    pub capture: BTreeMap<String, Located<Capture>>,
+}
 
 impl StepKind for Connect {
+    fn label(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| format!("connect {}", self.rpc.value))
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        c.template(&self.sandbox, scope, ctx);
+        if let Some(t) = &self.access_token {
+            c.template(t, scope, ctx);
+        }
+        if let Some(n) = &self.within_s {
+            c.num(n, scope, ctx);
+        }
+        let rpc_re = Regex::new(
+            r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.[A-Z][A-Za-z0-9]*/[A-Z][A-Za-z0-9]*$",
+        )
+        .expect("static regex");
+        if !rpc_re.is_match(&self.rpc.value) {
+            c.err(
+                Pos::of(&self.rpc),
+                format!(
+                    "rpc `{}` must look like `process.Process/Start`",
+                    self.rpc.value
+                ),
+            );
+        }
+        for check in &self.json {
+            c.json_check(check, scope, ctx);
+        }
+        if let Some(first) = self.until.first() {
+            let pos = first.pointer.pos;
+            if !self.stream {
+                c.err(pos, "`until` reads a stream: it needs `stream: true`");
+            }
+            if self.error.is_some() {
+                c.err(
+                    pos,
+                    "`until` stops at a message, `error` waits for the stream's end: give one",
+                );
+            }
+        }
+        for check in &self.until {
+            c.json_check(check, scope, ctx);
+        }
+        for (name, cap) in &self.capture {
+            if cap.value.json.is_none()
+                || cap.value.header.is_some()
+                || cap.value.body.is_some()
+                || cap.value.regex.is_some()
+            {
+                c.err(
+                    Pos::of(cap),
+                    "a `connect` capture takes only `json: <pointer>`",
+                );
+            }
+            if cap.value.secret {
+                scope.secrets.insert(name.clone());
+            }
+            c.define_capture(name, Pos::of(cap), scope);
+        }
+    }
+
     fn waits(&self, ctx: &Ctx<'_>) -> Duration {
         self.within_s
             .as_ref()
@@ -53,14 +164,13 @@ impl Ctx<'_> {
             ("Content-Type".to_owned(), content_type.to_owned()),
             ("Connect-Protocol-Version".to_owned(), "1".to_owned()),
         ];
-        let url = match &self.target.envd_domain {
-            Some(domain) => format!("https://{ENVD_PORT}-{sandbox}.{domain}/{}", c.rpc.value),
-            None => {
-                headers.push(("E2b-Sandbox-Id".to_owned(), sandbox.clone()));
-                headers.push(("E2b-Sandbox-Port".to_owned(), ENVD_PORT.to_string()));
-                format!("{}/{}", self.target.base_url, c.rpc.value)
-            }
-        };
+        let (host, routing) = envd_route(&sandbox, self.target.envd_domain.as_deref());
+        headers.extend(routing);
+        let url = format!(
+            "{}/{}",
+            host.as_deref().unwrap_or(&self.target.base_url),
+            c.rpc.value
+        );
         if let Some(t) = &c.access_token {
             headers.push(("X-Access-Token".to_owned(), self.vars.render(t)?));
         }

@@ -3,15 +3,55 @@
 
 use serde_json::Value;
 
-use super::StepKind;
+use serde::Deserialize;
+
+use super::kind::{StepKind, named};
 use crate::engine::context::{Ctx, Prepared, StepError};
-use crate::scenario::{Digest, Method, Principal, SinceName, Via};
+use crate::scenario::{CheckCtx, Checker, Located, Method, Pos, Principal, Scope, SinceName, Via};
+
+/// Record `GET /v1/test/digest` (needs `test_controls`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Digest {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
+    pub into: Located<String>,
+}
+
+/// Compare the durable-state digest against the one an earlier `digest` step took.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(transparent)]
+pub struct ExpectDigestUnchanged(pub SinceName);
 
 /// How long a digest scenario holds background expiry at most: released after its cleanup
 /// (`engine::run`), and ending by itself if the runner never gets that far.
 const HOLD_EXPIRY_S: u64 = 300;
 
 impl StepKind for Digest {
+    fn label(&self) -> String {
+        named(self.name.as_deref(), || "digest".to_owned())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        // The digest is a test control read with the admin token, and a comparison holds
+        // background expiry so that only the scenario's own requests count.
+        let missing: Vec<&str> = ["test_controls", "expiry_hold", "admin_token"]
+            .into_iter()
+            .filter(|c| !ctx.requires.contains(c))
+            .collect();
+        if !missing.is_empty() {
+            c.err(
+                Pos::of(&self.into),
+                format!(
+                    "a `digest` step needs `requires: [test_controls, expiry_hold, admin_token]` (missing: {})",
+                    missing.join(", ")
+                ),
+            );
+        }
+        scope.digests.insert(self.into.value.clone());
+    }
+
     fn uses_admin(&self) -> bool {
         true
     }
@@ -28,15 +68,37 @@ impl StepKind for Digest {
 }
 
 /// `expect_digest_unchanged`: the digest equals the one taken under `since`.
-pub(super) struct Unchanged<'s>(pub(super) &'s SinceName);
+impl StepKind for ExpectDigestUnchanged {
+    fn label(&self) -> String {
+        named(self.0.name.as_deref(), || {
+            "expect_digest_unchanged".to_owned()
+        })
+    }
 
-impl StepKind for Unchanged<'_> {
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        let since = &self.0.since;
+        if ctx.cleanup {
+            c.err(
+                Pos::of(since),
+                format!(
+                    "`expect_digest_unchanged` cannot be a cleanup step: digest `{}` may never have been taken (steps stop at the first failure, every cleanup step runs)",
+                    since.value
+                ),
+            );
+        } else if !scope.digests.contains(&since.value) {
+            c.err(
+                Pos::of(since),
+                format!("no earlier `digest` named `{}`", since.value),
+            );
+        }
+    }
+
     fn uses_admin(&self) -> bool {
         true
     }
 
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
-        let since = self.0;
+        let since = &self.0;
         let now = ctx.digest(label).await?;
         let before = &ctx.digests[&since.since.value];
         if &now == before {

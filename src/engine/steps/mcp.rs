@@ -9,12 +9,55 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use super::StepKind;
+use serde::Deserialize;
+
+use super::kind::StepKind;
+
 use crate::engine::context::{Ctx, StepError};
 use crate::engine::expect::json_check;
 use crate::mcp::toolmap::provider_of;
-use crate::mcp::{Action, McpSession, ServerCommand, toolmap};
-use crate::scenario::Mcp;
+use crate::mcp::{Action, McpSession, RunSession, ServerCommand, toolmap};
+use crate::scenario::{CheckCtx, Checker, JsonCheck, Located, Pos, Scope, present};
+
+/// An action of an agent through the sandbox MCP server under test, for the MCP profile:
+/// one tool call that the run's tool map binds to the action, or the end of the session.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mcp {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Which MCP server process: each session name is a server of its own, started at its
+    /// first action.
+    #[serde(default = "main_session")]
+    pub session: String,
+    pub action: crate::mcp::Action,
+    /// The action's parameters (`sandbox`, `timeout_s`, `cpu`, `memory_mb`, `command`);
+    /// strings may hold `{{var}}`.
+    #[serde(default, rename = "with", deserialize_with = "present")]
+    pub params: Option<Located<serde_json::Value>>,
+    /// The tool must refuse (`isError: true`); otherwise it must succeed.
+    #[serde(default)]
+    pub refused: bool,
+    /// The handle in the result must be provider-qualified (`provider:id`).
+    #[serde(default)]
+    pub qualified: bool,
+    /// Send the call and go on without its answer (a create in flight at a shutdown).
+    #[serde(default)]
+    pub in_flight: bool,
+    /// Checks on the tool's result value.
+    #[serde(default)]
+    pub json: Vec<JsonCheck>,
+    /// Captures the handle the result names.
+    #[serde(default)]
+    pub capture_handle: Option<Located<String>>,
+    /// Captures the control plane's sandbox ID of that handle (without its provider).
+    #[serde(default)]
+    pub capture_sandbox: Option<Located<String>>,
+}
+
+fn main_session() -> String {
+    "main".to_owned()
+}
 
 /// How long a server has to exit after stdin closes, and again after SIGTERM.
 pub(in crate::engine) const GRACE: Duration = Duration::from_secs(15);
@@ -22,14 +65,78 @@ pub(in crate::engine) const GRACE: Duration = Duration::from_secs(15);
 /// importing its SDK) and a create waits for the control plane.
 const CALL_WAIT: Duration = Duration::from_secs(60);
 
-/// One MCP server process of a scenario run.
-pub(in crate::engine) struct Session {
-    session: McpSession,
-    /// How many of the session's exchanges are in the transcript already.
-    recorded: usize,
-}
-
 impl StepKind for Mcp {
+    fn label(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| format!("mcp {} ({})", self.action.name(), self.session))
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        let m = self;
+        let pos = m
+            .params
+            .as_ref()
+            .map(Pos::of)
+            .or(m.capture_handle.as_ref().map(Pos::of))
+            .unwrap_or_default();
+        if let Some(p) = &m.params {
+            match &p.value {
+                serde_json::Value::Object(map) => {
+                    for k in map.keys() {
+                        if !crate::mcp::toolmap::PARAMS.contains(&k.as_str()) {
+                            c.err(
+                                Pos::of(p),
+                                format!(
+                                    "`with` parameter `{k}` is unknown; parameters are {}",
+                                    crate::mcp::toolmap::PARAMS.join(", ")
+                                ),
+                            );
+                        }
+                    }
+                }
+                _ => c.err(Pos::of(p), "`with` must be a mapping of parameters"),
+            }
+            c.json_value(p, scope, ctx);
+        }
+        if m.action == Action::Shutdown
+            && (m.params.is_some()
+                || m.refused
+                || m.qualified
+                || m.in_flight
+                || !m.json.is_empty()
+                || m.capture_handle.is_some()
+                || m.capture_sandbox.is_some())
+        {
+            c.err(pos, "an `mcp` shutdown takes only `name` and `session`");
+        }
+        if m.in_flight
+            && (m.action != Action::Create
+                || m.refused
+                || m.qualified
+                || !m.json.is_empty()
+                || m.capture_handle.is_some()
+                || m.capture_sandbox.is_some())
+        {
+            c.err(
+                pos,
+                "`in_flight` is for a create whose answer is not awaited: nothing to check or capture",
+            );
+        }
+        if m.refused && (m.qualified || m.capture_handle.is_some() || m.capture_sandbox.is_some()) {
+            c.err(pos, "a refused call names no handle to check or capture");
+        }
+        for check in &m.json {
+            c.json_check(check, scope, ctx);
+        }
+        for name in [&m.capture_handle, &m.capture_sandbox]
+            .into_iter()
+            .flatten()
+        {
+            c.define_capture(&name.value, Pos::of(name), scope);
+        }
+    }
+
     fn waits(&self, _ctx: &Ctx<'_>) -> Duration {
         match self.action {
             Action::Shutdown => GRACE * 2,
@@ -108,7 +215,7 @@ impl Ctx<'_> {
                 .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
             self.mcp_sessions.insert(
                 m.session.clone(),
-                Session {
+                RunSession {
                     session,
                     recorded: 0,
                 },
@@ -202,7 +309,7 @@ impl Ctx<'_> {
     }
 
     /// The session's exchanges since the last call, as transcript notes.
-    fn record_mcp(&mut self, name: &str, s: &mut Session, label: &str) {
+    fn record_mcp(&mut self, name: &str, s: &mut RunSession, label: &str) {
         let new: Vec<String> = s.session.exchanges()[s.recorded..]
             .iter()
             .map(|e| {

@@ -2,14 +2,123 @@
 
 use std::time::{Duration, Instant};
 
-use super::{StepKind, secs};
+use serde::Deserialize;
+
+use super::kind::{StepKind, named, secs};
+use super::request::Request;
+
 use crate::engine::context::{Ctx, StepError, exchange_holding, is_credential_header, ms};
 use crate::engine::expect::{Observed, check_headers, problem_code};
 use crate::engine::transcript::{Body, Entry, HttpExchange, record_headers};
 use crate::engine::vars::Vars;
-use crate::scenario::{Parallel, Principal, Request};
+use crate::scenario::{CheckCtx, Checker, HeaderCheck, Located, NumExpr, Pos, Principal, Scope};
+
+/// Requests sent concurrently, judged together.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Parallel {
+    /// A short name for messages, the transcript and `fails_at`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Distinct requests to send at once.
+    #[serde(default)]
+    pub requests: Vec<Request>,
+    /// Or one request sent this many times at once.
+    #[serde(default)]
+    pub request: Option<Request>,
+    #[serde(default)]
+    pub repeat: Option<NumExpr>,
+    /// How the responses must be distributed.
+    pub expect: Vec<Tally>,
+    /// Send the group again until its tallies hold, for at most this many seconds (a number
+    /// or an expression): for counts that settle a moment later, such as a stream slot
+    /// released once the server sees a close. With it, a granted event stream is judged on
+    /// its status and headers and then closed, not read to its end.
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// Pause between attempts (with `within_s`); 1000 ms unless given.
+    #[serde(default)]
+    pub every_ms: Option<Located<u64>>,
+    /// What these requests create cannot be captured, so no cleanup step can name it: with
+    /// `true`, the engine removes it after cleanup (each delete confirmed by a 404) instead
+    /// of the leak check failing on it.
+    #[serde(default)]
+    pub removed_by_sweep: bool,
+}
+
+/// "exactly N responses with this status (and code)", or "all the rest".
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tally {
+    pub status: u16,
+    #[serde(default)]
+    pub code: Option<String>,
+    #[serde(default)]
+    pub exactly: Option<NumExpr>,
+    /// Every response not counted by another tally.
+    #[serde(default)]
+    pub rest: bool,
+    /// Checks every response this tally counts must also pass (e.g. `Retry-After` on each
+    /// 429).
+    #[serde(default)]
+    pub headers: Vec<HeaderCheck>,
+}
 
 impl StepKind for Parallel {
+    fn label(&self) -> String {
+        named(self.name.as_deref(), || "parallel".to_owned())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        let single = self.request.iter().count();
+        match (single, self.requests.is_empty(), &self.repeat) {
+            (1, true, Some(n)) => c.num(n, scope, ctx),
+            (0, false, None) => {}
+            _ => c.err(
+                self.expect
+                    .first()
+                    .map(|_| Pos::default())
+                    .unwrap_or_default(),
+                "`parallel` takes either `requests: [...]` or `request` with `repeat`",
+            ),
+        }
+        for r in self.request.iter().chain(&self.requests) {
+            r.check_as(c, scope, ctx, true);
+        }
+        match (&self.within_s, &self.every_ms) {
+            (Some(n), _) => c.num(n, scope, ctx),
+            (None, Some(every)) => c.err(
+                Pos::of(every),
+                "`every_ms` paces the attempts of `within_s`, which is not given",
+            ),
+            (None, None) => {}
+        }
+        let rests = self.expect.iter().filter(|t| t.rest).count();
+        if rests > 1 {
+            c.err(
+                Pos::default(),
+                "`parallel` may have at most one `rest` tally",
+            );
+        }
+        for t in &self.expect {
+            for h in &t.headers {
+                c.header_check(h, scope, ctx);
+            }
+            match (&t.exactly, t.rest) {
+                (Some(n), false) => c.num(n, scope, ctx),
+                (None, true) => {}
+                _ => c.err(
+                    t.exactly.as_ref().map(|n| n.pos).unwrap_or_default(),
+                    "a tally takes exactly one of `exactly: N` and `rest: true`",
+                ),
+            }
+        }
+    }
+
+    fn deadline(&self) -> Option<&NumExpr> {
+        self.within_s.as_ref()
+    }
+
     fn uses_admin(&self) -> bool {
         self.request
             .iter()

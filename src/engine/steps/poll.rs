@@ -2,11 +2,41 @@
 
 use std::time::{Duration, Instant};
 
-use super::{StepKind, expects_2xx, secs};
+use serde::Deserialize;
+
+use super::kind::{StepKind, expects_2xx, secs};
+use super::request::Request;
 use crate::engine::context::{Ctx, StepError};
-use crate::scenario::{Poll, Principal};
+use crate::scenario::{CheckCtx, Checker, NumExpr, Principal, Scope};
+
+/// Repeat a request until its expectations hold or the deadline passes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Poll {
+    pub request: Request,
+    /// Deadline in seconds: a number or an expression such as `limits.heartbeat_interval_s * 2`.
+    pub within_s: NumExpr,
+    /// Pause between attempts; 200 ms unless given.
+    #[serde(default)]
+    pub every_ms: Option<u64>,
+}
 
 impl StepKind for Poll {
+    fn label(&self) -> String {
+        format!("poll {}", self.request.label())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        // The poll's deadline is computed before its request is first sent, so it cannot
+        // use what that request captures.
+        c.num(&self.within_s, scope, ctx);
+        self.request.check(c, scope, ctx);
+    }
+
+    fn deadline(&self) -> Option<&NumExpr> {
+        Some(&self.within_s)
+    }
+
     fn waits(&self, ctx: &Ctx<'_>) -> Duration {
         secs(ctx.vars.num(&self.within_s)) + ctx.target.request_timeout
     }

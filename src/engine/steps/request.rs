@@ -1,11 +1,243 @@
 //! `request`: one HTTP request, judged by its `expect` block, with captures.
 
-use super::{StepKind, expects_2xx};
-use crate::engine::context::{Ctx, StepError, with_problem};
+use std::collections::BTreeMap;
+
+use regex::Regex;
+use serde::Deserialize;
+
+use super::kind::{StepKind, expects_2xx};
+use crate::engine::bridge;
+use crate::engine::context::{
+    CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
+};
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
-use crate::scenario::{Principal, Request};
+use crate::profile::e2b::envd_route;
+use crate::scenario::{
+    Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
+    first_line, present,
+};
+
+/// An HTTP request with its expectations and captures.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// A short name for the transcript and failure messages.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    /// The endpoint to send it to: `primary` unless given.
+    #[serde(default)]
+    pub via: Via,
+    /// E2B profile: send it to this sandbox's envd (its E2B ID), as `connect` steps reach
+    /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
+    #[serde(default)]
+    pub envd: Option<Template>,
+    /// Raw headers. An `Authorization` header here replaces the principal's token.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
+    pub method: Method,
+    pub path: Template,
+    #[serde(default)]
+    pub query: BTreeMap<String, Template>,
+    /// A JSON body (sent as `application/json`). Strings inside may hold `{{var}}`.
+    #[serde(default, deserialize_with = "present")]
+    pub json: Option<Located<serde_json::Value>>,
+    /// A raw text body.
+    #[serde(default)]
+    pub body_text: Option<Template>,
+    /// A raw binary body, base64-encoded in the file.
+    #[serde(default)]
+    pub body_base64: Option<Located<String>>,
+    /// Overrides the Content-Type the body kind implies.
+    #[serde(default)]
+    pub content_type: Option<String>,
+    #[serde(default)]
+    pub expect: Expect,
+    /// Variables taken from the response, usable by later steps as `{{name}}`.
+    #[serde(default)]
+    pub capture: BTreeMap<String, Located<Capture>>,
+    /// Sign the request as a worker of the private bridge does (protocol §8.8).
+    #[serde(default)]
+    pub bridge_signature: Option<BridgeSignature>,
+}
+
+/// How to sign a bridge request: `X-Sandspec-Timestamp` (now) and `X-Sandspec-Signature` over
+/// the method, the request target as sent, the body and the timestamp.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeSignature {
+    /// The session's bridge secret: a literal (a wrong key, on purpose) or captures marked
+    /// `secret: true`. The engine also registers the value with the evidence sanitizer.
+    pub secret: Template,
+}
+
+impl Request {
+    /// The request's checks; in a `parallel` step the tallies judge its answer, so it takes
+    /// no `expect` or `capture` of its own.
+    pub fn check_as(
+        &self,
+        c: &mut Checker<'_>,
+        scope: &mut Scope,
+        ctx: &CheckCtx<'_>,
+        in_parallel: bool,
+    ) {
+        let r = self;
+        c.via(r.via, r.path.pos, ctx);
+        c.principal(r.principal, r.path.pos, ctx);
+        c.test_control(&r.path, ctx);
+        if let Some(json) = &r.json
+            && names_a_model(&json.value)
+            && !ctx.requires.contains("fixture_models")
+        {
+            c.err(
+                Pos::of(json),
+                "`agent.model` names a fixture model script: needs `requires: [fixture_models]`",
+            );
+        }
+        c.template(&r.path, scope, ctx);
+        if let Some(t) = &r.envd {
+            c.template(t, scope, ctx);
+            if r.via == Via::Peer {
+                c.err(
+                    t.pos,
+                    "`envd` names the sandbox's envd: it cannot go `via: peer`",
+                );
+            }
+        }
+        for t in r.headers.values().chain(r.query.values()) {
+            c.template(t, scope, ctx);
+        }
+        let bodies = usize::from(r.json.is_some())
+            + usize::from(r.body_text.is_some())
+            + usize::from(r.body_base64.is_some());
+        if bodies > 1 {
+            c.err(
+                r.path.pos,
+                "a request takes at most one of `json`, `body_text`, `body_base64`",
+            );
+        }
+        if let Some(json) = &r.json {
+            c.json_value(json, scope, ctx);
+        }
+        if let Some(t) = &r.body_text {
+            c.template(t, scope, ctx);
+        }
+        if let Some(b) = &r.body_base64 {
+            c.base64(b);
+        }
+        if let Some(sign) = &r.bridge_signature {
+            c.template(&sign.secret, scope, ctx);
+            for var in sign.secret.vars() {
+                if scope.captures.contains(var) && !scope.secrets.contains(var) {
+                    c.err(
+                        sign.secret.pos,
+                        format!(
+                            "`{var}` signs bridge requests: capture it with `secret: true` so evidence never holds it"
+                        ),
+                    );
+                }
+            }
+            for name in r.headers.keys() {
+                if name.eq_ignore_ascii_case("x-sandspec-timestamp")
+                    || name.eq_ignore_ascii_case("x-sandspec-signature")
+                {
+                    c.err(
+                        r.path.pos,
+                        format!("`bridge_signature` sets `{name}`; do not give it in `headers`"),
+                    );
+                }
+            }
+        }
+        if in_parallel {
+            if !r.capture.is_empty() || has_expectations(&r.expect) {
+                c.err(
+                    r.path.pos,
+                    "requests in `parallel` take no `expect` or `capture`: the tallies judge them",
+                );
+            }
+            return;
+        }
+        c.expect(&r.expect, scope, ctx);
+        for (name, capture) in &r.capture {
+            let cap: &Capture = &capture.value;
+            let sources = usize::from(cap.json.is_some())
+                + usize::from(cap.header.is_some())
+                + usize::from(cap.body == Some(true));
+            if sources != 1 || cap.body == Some(false) {
+                c.err(
+                    Pos::of(capture),
+                    format!(
+                        "capture `{name}` takes exactly one of `json`, `header` and `body: true`"
+                    ),
+                );
+            }
+            if let Some(pointer) = &cap.json
+                && !(pointer.is_empty() || pointer.starts_with('/'))
+            {
+                c.err(
+                    Pos::of(capture),
+                    format!("capture `{name}`: JSON pointer `{pointer}` must start with `/`"),
+                );
+            }
+            if let Some(re) = &cap.regex
+                && let Err(e) = Regex::new(re)
+            {
+                c.err(
+                    Pos::of(capture),
+                    format!(
+                        "capture `{name}`: invalid regex: {}",
+                        first_line(&e.to_string())
+                    ),
+                );
+            }
+            c.define_capture(name, Pos::of(capture), scope);
+            if cap.secret {
+                scope.secrets.insert(name.clone());
+            } else {
+                scope.secrets.remove(name);
+            }
+        }
+    }
+}
+
+/// Whether a request body names an agent model (`{"agent": {"model": "<name>"}}`): the
+/// name of a fixture model script, since no real model answers the same way twice.
+fn names_a_model(body: &serde_json::Value) -> bool {
+    body.get("agent")
+        .and_then(|a| a.get("model"))
+        .and_then(|m| m.as_str())
+        .is_some_and(|m| !m.is_empty())
+}
+
+fn has_expectations(e: &Expect) -> bool {
+    e.status.is_some()
+        || !e.status_in.is_empty()
+        || e.code.is_some()
+        || e.content_type.is_some()
+        || !e.json.is_empty()
+        || !e.headers.is_empty()
+        || e.body_text.is_some()
+        || e.body_base64.is_some()
+}
 
 impl StepKind for Request {
+    fn label(&self) -> String {
+        match &self.name {
+            Some(n) => format!("{n}{}", self.via.label_suffix()),
+            None => format!(
+                "{} {}{}",
+                self.method.as_str(),
+                self.path.raw,
+                self.via.label_suffix()
+            ),
+        }
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        self.check_as(c, scope, ctx, false);
+    }
+
     fn expects_success(&self) -> bool {
         expects_2xx(&self.expect)
     }
@@ -20,6 +252,83 @@ impl StepKind for Request {
 }
 
 impl Ctx<'_> {
+    /// The request to send: variables rendered, the body encoded, and bridge requests signed
+    /// (their secret is registered with the sanitizer here).
+    pub(super) fn prepare(&mut self, r: &Request) -> Result<Prepared, StepError> {
+        let path = self.vars.render(&r.path)?;
+        let mut query = Vec::new();
+        for (k, v) in &r.query {
+            query.push((k.clone(), self.vars.render(v)?));
+        }
+        let mut headers = vec![(CANARY_HEADER.to_owned(), self.target.canary.clone())];
+        let mut literal_auth = false;
+        for (k, v) in &r.headers {
+            if is_credential_header(k) {
+                literal_auth = true;
+            }
+            headers.push((k.clone(), self.vars.render(v)?));
+        }
+        let body = if let Some(json) = &r.json {
+            let value = self.vars.render_json(&json.value)?;
+            Some((
+                serde_json::to_vec(&value).expect("JSON values serialize"),
+                "application/json".to_owned(),
+            ))
+        } else if let Some(t) = &r.body_text {
+            Some((
+                self.vars.render(t)?.into_bytes(),
+                "text/plain; charset=utf-8".to_owned(),
+            ))
+        } else if let Some(b) = &r.body_base64 {
+            use base64::Engine as _;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b.value.as_bytes())
+                .unwrap_or_default();
+            Some((bytes, "application/octet-stream".to_owned()))
+        } else {
+            None
+        };
+        let body = body.map(|(b, ct)| (b, r.content_type.clone().unwrap_or(ct)));
+        let mut envd_host = None;
+        if let Some(sandbox) = &r.envd {
+            let sandbox = self.vars.render(sandbox)?;
+            let (host, routing) = envd_route(&sandbox, self.target.envd_domain.as_deref());
+            envd_host = host;
+            headers.extend(routing);
+        }
+        let target = with_query(&path, &query);
+        if let Some(sign) = &r.bridge_signature {
+            let secret = self.vars.render(&sign.secret)?;
+            // The signed target is the one on the wire, including any path prefix of the
+            // base URL, after the URL parser's normalization.
+            let url = reqwest::Url::parse(&format!("{}{target}", self.base(r.via)))
+                .map_err(|e| StepError::Error(format!("cannot sign `{target}`: {e}")))?;
+            let on_wire = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_owned(),
+            };
+            let timestamp = time::OffsetDateTime::now_utc().unix_timestamp().to_string();
+            let body = p_body(&body);
+            let signature =
+                bridge::signature(&secret, r.method.as_str(), &on_wire, body, &timestamp);
+            headers.push((bridge::TIMESTAMP_HEADER.to_owned(), timestamp));
+            headers.push((bridge::SIGNATURE_HEADER.to_owned(), signature));
+            if !self.secrets.contains(&secret) {
+                self.secrets.push(secret);
+            }
+        }
+        Ok(Prepared {
+            via: r.via,
+            method: r.method,
+            target,
+            principal: r.principal,
+            headers,
+            literal_auth,
+            body,
+            envd_host,
+        })
+    }
+
     /// Judges a response against the request's `expect` block and takes its captures.
     pub(super) fn judge(&mut self, r: &Request, obs: &Observed) -> Result<(), StepError> {
         let mut failures = Vec::new();

@@ -5,14 +5,22 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{StepKind, expects_2xx, secs};
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::kind::{StepKind, expects_2xx, secs};
+
 use crate::engine::context::{
     CANARY_HEADER, Ctx, FaultRecord, Prepared, StepError, is_credential_header, ms, with_problem,
     with_query,
 };
 use crate::engine::expect::{Observed, check_response, json_check, status_ok};
 use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
-use crate::scenario::{Method, Principal, Sse, Until};
+use crate::scenario::{
+    CheckCtx, Checker, Expect, JsonCheck, Located, Method, NumExpr, Pos, Principal, Scope,
+    Template, Via,
+};
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream_signalling};
 use crate::target::describe_reqwest;
 
@@ -25,7 +33,188 @@ type Probed = Option<Result<Seen, String>>;
 /// Default deadline of an `sse` step.
 const DEFAULT_SSE_DEADLINE_S: i64 = 30;
 
+/// Open a server-sent event stream and check what it delivers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sse {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "as", default)]
+    pub principal: Principal,
+    /// The endpoint to open the stream on: `primary` unless given.
+    #[serde(default)]
+    pub via: Via,
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
+    pub path: Template,
+    #[serde(default)]
+    pub query: BTreeMap<String, Template>,
+    /// Sent as the `Last-Event-ID` header.
+    #[serde(default)]
+    pub last_event_id: Option<Template>,
+    /// The Accept header; `text/event-stream` unless given.
+    #[serde(default)]
+    pub accept: Option<String>,
+    /// Response expectations (status defaults to 200). When the status is not 200 the body
+    /// is not read as a stream.
+    #[serde(default)]
+    pub expect: Expect,
+    /// When to stop reading; `eof` unless given.
+    #[serde(default)]
+    pub until: Until,
+    /// Deadline for the whole read, in seconds (a number or an expression).
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
+    /// Checks on the received events, in order: the n-th check applies to the n-th event.
+    #[serde(default)]
+    pub events: Vec<EventCheck>,
+    /// Checks on the data of every received event but `stream.end`.
+    #[serde(default)]
+    pub each_event: Vec<JsonCheck>,
+    /// Checks on the last event received, `stream.end` included.
+    #[serde(default)]
+    pub last_event: Option<EventCheck>,
+    /// No more events than `events` lists.
+    #[serde(default)]
+    pub exact: bool,
+    /// The stream must deliver no event at all. Without it, a stream that delivered nothing
+    /// fails.
+    #[serde(default)]
+    pub expect_none: bool,
+    /// Drop the connection after this many events.
+    #[serde(default)]
+    pub cut_after: Option<u32>,
+    /// Stop the deployment's database once this many events arrived, and go on reading:
+    /// what an open stream does during an outage (needs `database_control`).
+    #[serde(default)]
+    pub stop_database_after: Option<u32>,
+    /// Capture the id of the last event received.
+    #[serde(default)]
+    pub capture_last_id: Option<Located<String>>,
+    /// Record the time to the first frame under this measurement name.
+    #[serde(default)]
+    pub measure_first_frame: Option<String>,
+    /// Record the time to EOF under this measurement name.
+    #[serde(default)]
+    pub measure_eof: Option<String>,
+    /// The stream must not end (EOF) sooner than this many seconds after it was requested:
+    /// a stream bounded by `max_stream_duration_s` must not end early.
+    #[serde(default)]
+    pub min_duration_s: Option<NumExpr>,
+    /// While idle, a comment must arrive at least this often (seconds).
+    #[serde(default)]
+    pub expect_heartbeat_within_s: Option<NumExpr>,
+    /// Framing rules: every event has an `id`, one-line JSON `data` whose `seq` equals the
+    /// id, and ids increase. On unless set to `false`.
+    #[serde(default = "yes")]
+    pub strict_framing: bool,
+    /// The stream is a filtered view of a log (SSE-7.6): ids must increase but may skip
+    /// numbers.
+    #[serde(default)]
+    pub id_gaps: bool,
+    /// Framing checks the ids only, not a `seq` in the data (profiles whose events carry
+    /// none, such as the Agent Sandbox's).
+    #[serde(default)]
+    pub ids_only: bool,
+    /// Also read the stream with the `eventsource-client` crate and require the same event
+    /// types and ids. On unless set to `false` (for a step where a second concurrent stream
+    /// would change the outcome, such as a stream-quota check).
+    #[serde(default = "yes")]
+    pub interop: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// When an `sse` step stops reading.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Until {
+    /// The server ends the stream.
+    #[default]
+    Eof,
+    /// This many events were received.
+    Events(u32),
+    /// An event of this type was received.
+    Event(String),
+}
+
+/// Checks on one received event.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventCheck {
+    #[serde(default)]
+    pub event: Option<String>,
+    #[serde(default)]
+    pub id: Option<Template>,
+    /// Checks on the event's JSON data.
+    #[serde(default)]
+    pub data: Vec<JsonCheck>,
+}
+
 impl StepKind for Sse {
+    fn label(&self) -> String {
+        let name = self
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("sse {}", self.path.raw));
+        format!("{name}{}", self.via.label_suffix())
+    }
+
+    fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
+        c.via(self.via, self.path.pos, ctx);
+        c.principal(self.principal, self.path.pos, ctx);
+        c.test_control(&self.path, ctx);
+        c.template(&self.path, scope, ctx);
+        for t in self.headers.values().chain(self.query.values()) {
+            c.template(t, scope, ctx);
+        }
+        if let Some(t) = &self.last_event_id {
+            c.template(t, scope, ctx);
+        }
+        c.expect(&self.expect, scope, ctx);
+        for n in [
+            &self.within_s,
+            &self.expect_heartbeat_within_s,
+            &self.min_duration_s,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            c.num(n, scope, ctx);
+        }
+        for ev in self.events.iter().chain(&self.last_event) {
+            if let Some(t) = &ev.id {
+                c.template(t, scope, ctx);
+            }
+            for check in &ev.data {
+                c.json_check(check, scope, ctx);
+            }
+        }
+        for check in &self.each_event {
+            c.json_check(check, scope, ctx);
+        }
+        if self.id_gaps && !self.strict_framing {
+            c.err(
+                self.path.pos,
+                "`id_gaps` loosens `strict_framing`, which is off",
+            );
+        }
+        if self.expect_none
+            && (!self.events.is_empty() || !self.each_event.is_empty() || self.last_event.is_some())
+        {
+            c.err(self.path.pos, "`expect_none` contradicts `events`");
+        }
+        if let Some(name) = &self.capture_last_id {
+            c.define_capture(&name.value, Pos::of(name), scope);
+        }
+    }
+
+    fn deadline(&self) -> Option<&NumExpr> {
+        self.within_s.as_ref()
+    }
+
     fn waits(&self, ctx: &Ctx<'_>) -> Duration {
         match &self.within_s {
             Some(n) => secs(ctx.vars.num(n)),

@@ -1,5 +1,4 @@
-//! The Agent Sandbox profile (`--api agent-sandbox`): its clause document, the deliberate
-//! defects of its stand-in, and the service the runner launches itself (`--launch`).
+//! The Agent Sandbox service as the runner launches it itself (`--launch`).
 //!
 //! A launched service gets what a deployment would give it: a policy file naming two
 //! principals whose tokens are fresh for the run and reach it only through environment
@@ -11,29 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use tokio::io::AsyncBufReadExt as _;
 
-use crate::target::{TargetError, Tokens};
-
-/// The profile's catalog: this folder of the catalog root.
-pub const CATALOG_FOLDER: &str = "agent-sandbox";
-
-/// The clause document; the profile's scenarios cite its clause IDs.
-const CLAUSES_DOC: &str = include_str!("../docs/profiles/agent-sandbox.md");
-
-/// The deliberate defects of the stand-in (`fixtures/agent-sandbox/defects.py`, loaded into
-/// the real service with `--commands` and chosen with [`DEFECT_ENV`]). A MUST scenario of
-/// this profile names the ones it catches; `tests/agent_sandbox.rs` proves each catch.
-pub const DEFECTS: &[&str] = &[
-    "asb-any-token-accepted",
-    "asb-sessions-shared",
-    "asb-paths-unconfined",
-    "asb-bad-input-500",
-    "asb-turns-concurrent",
-    "asb-idempotency-ignored",
-    "asb-cancel-ignored",
-    "asb-no-heartbeat",
-];
+use crate::target::{Capabilities, Service, TargetError, Tokens, build_client, random_token};
 
 /// The environment variable the stand-in reads its defect from.
 pub const DEFECT_ENV: &str = "SANDSPEC_ASB_DEFECT";
@@ -49,24 +29,9 @@ pub const OTHER_TOKEN_ENV: &str = "SANDSPEC_OTHER_TOKEN";
 /// restarts (the package keeps agent sessions in `ABX_AGENTS_STATE_DIR`).
 pub const STATE_DIR_ENV: &str = "SANDSPEC_STATE_DIR";
 
-/// Whether `id` is a clause of the profile's document: a row `| \`ASB-...\` |` of its
-/// "Clauses" table.
-pub fn is_clause(id: &str) -> bool {
-    clauses().any(|c| c == id)
-}
-
-/// Every clause ID the document defines.
-pub fn clauses() -> impl Iterator<Item = &'static str> {
-    CLAUSES_DOC
-        .lines()
-        .skip_while(|line| *line != "## Clauses")
-        .skip_while(|line| !line.starts_with('|'))
-        .take_while(|line| line.starts_with('|'))
-        .filter_map(|line| {
-            let rest = line.strip_prefix("| `")?;
-            let (id, _) = rest.split_once('`')?;
-            id.starts_with("ASB-").then_some(id)
-        })
+/// A principal's token, as the service takes it.
+pub(super) fn bearer(token: &str) -> (&'static str, String) {
+    ("Authorization", format!("Bearer {token}"))
 }
 
 /// The policy file of a launched service: two principals with every scope, their tokens
@@ -117,8 +82,8 @@ impl LaunchedService {
         }
         let port = free_port().map_err(|e| spawn_err(format!("no free port: {e}")))?;
         let tokens = Tokens {
-            owner: crate::target::random_token(),
-            other: crate::target::random_token(),
+            owner: random_token(),
+            other: random_token(),
             admin: None,
         };
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -195,7 +160,7 @@ impl LaunchedService {
             binary: format!("--launch `{}`", self.command),
             reason,
         };
-        let client = crate::target::build_client(None)?;
+        let client = build_client(None)?;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -311,105 +276,67 @@ fn free_port() -> std::io::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+impl Service for LaunchedService {
+    fn kill(&mut self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { LaunchedService::kill(self).await.map_err(|e| e.to_string()) })
+    }
+
+    fn start_again(&mut self) -> BoxFuture<'_, Result<bool, String>> {
+        Box::pin(async {
+            LaunchedService::start_again(self)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn restart(&mut self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async {
+            LaunchedService::restart(self)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// What the run knows of a launched service: the directory it confines files to (scenarios
+/// see it as `{{base_dir}}`), and its `GET /capabilities` document when it serves one, kept
+/// for the report (and its `server_version`), never read for features.
+pub(super) async fn capabilities_of(
+    service: &LaunchedService,
+) -> Result<Capabilities, TargetError> {
+    let client = build_client(None)?;
+    let (name, value) = bearer(&service.tokens.owner);
+    let document = match client
+        .get(format!("{}/capabilities", service.url))
+        .header(name, value)
+        .timeout(crate::target::DEFAULT_REQUEST_TIMEOUT)
+        .send()
+        .await
+    {
+        Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+        _ => None,
+    };
+    Ok(Capabilities {
+        base_dir: Some(service.base_dir().display().to_string()),
+        server_version: document
+            .as_ref()
+            .and_then(|d| d.get("server_version"))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned),
+        raw: document.unwrap_or_default(),
+        ..Capabilities::default()
+    })
+}
+
 impl Drop for LaunchedService {
     fn drop(&mut self) {
         self.stop();
     }
 }
 
-/// The end-of-run sweep: for both principals, every agent session `GET /v1/agents/sessions`
-/// lists whose own metadata carries this run's `sandspec_run` is deleted and confirmed gone
-/// (each a cleanup failure of the run). Processes and files carry no metadata; scenarios
-/// clean them up themselves, and a launched service's process group is stopped at the end.
-pub async fn sweep_run(target: &crate::target::Target, run_id: &str) -> crate::live::RunSweep {
-    const LIST: &str = "/v1/agents/sessions";
-    let mut sweep = crate::live::RunSweep::default();
-    let mut errors = Vec::new();
-    for (principal, token) in [
-        ("owner", target.tokens.owner.as_str()),
-        ("other", target.tokens.other.as_str()),
-    ] {
-        let records = match list_sessions(target, token).await {
-            Ok(r) => r,
-            Err(e) => {
-                errors.push(format!("{e} (as {principal})"));
-                continue;
-            }
-        };
-        let listed = crate::live::Listed {
-            principal,
-            token,
-            list: LIST,
-            filtered: false,
-            id_field: "id",
-            remove_prefix: LIST,
-        };
-        sweep.take(target, run_id, &listed, &records).await;
-    }
-    if !errors.is_empty() {
-        sweep.error = Some(errors.join("; "));
-    }
-    sweep
-}
-
-/// Every page of `GET /v1/agents/sessions` (`limit`, `after`, `has_more`), as `token`.
-async fn list_sessions(
-    target: &crate::target::Target,
-    token: &str,
-) -> Result<Vec<serde_json::Value>, String> {
-    const LIST: &str = "/v1/agents/sessions";
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    for _ in 0..1000 {
-        let mut url = reqwest::Url::parse(&format!("{}{LIST}", target.base_url))
-            .map_err(|e| format!("GET {LIST}: {e}"))?;
-        url.query_pairs_mut().append_pair("limit", "100");
-        if let Some(a) = &after {
-            url.query_pairs_mut().append_pair("after", a);
-        }
-        let (name, value) = target.api.credential(token);
-        let response = target
-            .client
-            .get(url)
-            .header(name, value)
-            .timeout(target.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {LIST}: {}", crate::target::describe_reqwest(&e)))?;
-        if !response.status().is_success() {
-            return Err(format!("GET {LIST}: status {}", response.status()));
-        }
-        let page: serde_json::Value = response
-            .json()
-            .await
-            .map_err(|e| format!("GET {LIST}: {e}"))?;
-        let data = page
-            .get("data")
-            .and_then(serde_json::Value::as_array)
-            .ok_or_else(|| format!("GET {LIST}: no `data` array"))?;
-        out.extend(data.iter().cloned());
-        let more = page.get("has_more").and_then(serde_json::Value::as_bool) == Some(true);
-        match page.get("last_id").and_then(serde_json::Value::as_str) {
-            Some(last) if more => after = Some(last.to_owned()),
-            _ => return Ok(out),
-        }
-    }
-    Err(format!("GET {LIST}: more than 1000 pages"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_document_defines_clauses_and_only_those_count() {
-        assert!(clauses().count() >= 8);
-        assert!(is_clause("ASB-AUTH-1"));
-        assert!(!is_clause("ASB-AUTH-999"));
-        assert!(!is_clause("E2B-AUTH-1"));
-        // The catalog table names scenarios, not clauses.
-        assert!(!is_clause("ASB-AUTH-001"));
-    }
 
     #[test]
     fn the_policy_names_two_principals_by_environment_variable() {

@@ -1,0 +1,192 @@
+//! What a run will run: the profile's catalog, the selection out of it (`--family`,
+//! `--filter`, `--shard`), what the verdicts speak for, and the scenarios that do not apply
+//! to the target and are left out, said so.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::cli::Shard;
+use crate::report::{NotApplicable, RunFacts};
+use crate::scenario::LoadedScenario;
+use crate::target::Target;
+
+/// How the run selects scenarios from its profile's catalog.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// A family (a folder of the catalog), or `all`.
+    pub family: String,
+    /// Any of these texts in a scenario's ID, title, family or tags selects it (none: all).
+    pub filters: Vec<String>,
+    pub shard: Option<Shard>,
+    /// `--certify`: the whole catalog, and not-applicable scenarios are not left out.
+    pub certify: bool,
+}
+
+/// The scenarios a run runs, and what its verdicts speak for.
+#[derive(Debug)]
+pub struct RunPlan {
+    /// What runs, in ID order.
+    pub selected: Vec<LoadedScenario>,
+    /// Selected scenarios left out because they do not apply to the target.
+    pub not_applicable: Vec<NotApplicable>,
+    /// The selection and the catalog, family by family, for the verdicts' scope.
+    pub facts: RunFacts,
+}
+
+impl RunPlan {
+    /// The selection out of `catalog`; a usage error when it names an unknown family,
+    /// narrows a certification run, or selects nothing.
+    pub fn select(catalog: &[LoadedScenario], selection: &Selection) -> Result<RunPlan, String> {
+        if selection.certify
+            && (!selection.filters.is_empty()
+                || selection.shard.is_some()
+                || selection.family != "all")
+        {
+            return Err(
+                "--certify runs the whole catalog: drop --filter, --shard and --family".into(),
+            );
+        }
+        let families: BTreeSet<&str> = catalog.iter().map(|s| s.family.as_str()).collect();
+        if selection.family != "all" && !families.contains(selection.family.as_str()) {
+            let known: Vec<&str> = families.iter().copied().collect();
+            return Err(format!(
+                "unknown family `{}` (known: all, {})",
+                selection.family,
+                known.join(", ")
+            ));
+        }
+        let selected: Vec<LoadedScenario> = catalog
+            .iter()
+            .filter(|s| selection.family == "all" || s.family == selection.family)
+            .filter(|s| matches_filters(s, &selection.filters))
+            .cloned()
+            .collect();
+        let selected = select_shard(selected, selection.shard);
+        if selected.is_empty() {
+            return Err("no scenario selected".into());
+        }
+        // What the verdicts speak for: the selection out of the catalog, family by family.
+        let per_family = |list: &mut dyn Iterator<Item = &LoadedScenario>| {
+            let mut counts: BTreeMap<String, usize> =
+                families.iter().map(|f| ((*f).to_owned(), 0)).collect();
+            for s in list {
+                *counts.entry(s.family.clone()).or_default() += 1;
+            }
+            counts
+        };
+        let facts = RunFacts {
+            certify: selection.certify,
+            never_ran: 0,
+            selected: per_family(&mut selected.iter()),
+            catalog: per_family(&mut catalog.iter()),
+        };
+        Ok(RunPlan {
+            selected,
+            not_applicable: Vec::new(),
+            facts,
+        })
+    }
+
+    /// Leaves out the selected scenarios that cannot apply to `target`, each named on stderr
+    /// and recorded in the report and the receipt. The reference server has a peer, and a
+    /// database server to stop, only on PostgreSQL: on SQLite the scenarios that need one are
+    /// not applicable rather than skipped, which would make the reference's own run partial.
+    /// A URL target skips them, and so does a certification run. A usage error when nothing
+    /// is left.
+    pub fn drop_not_applicable(&mut self, target: &Target) -> Result<(), String> {
+        if target.kind != "reference" || self.facts.certify {
+            return Ok(());
+        }
+        let mut rest = Vec::new();
+        for s in std::mem::take(&mut self.selected) {
+            let Some(reason) = not_applicable(target, &s) else {
+                rest.push(s);
+                continue;
+            };
+            eprintln!("not applicable: {} {reason}", s.id());
+            self.not_applicable.push(NotApplicable {
+                id: s.id().to_owned(),
+                reason: reason.to_owned(),
+            });
+        }
+        if rest.is_empty() {
+            return Err(
+                "no scenario selected: every selected scenario needs PostgreSQL (--database-url)"
+                    .into(),
+            );
+        }
+        self.selected = rest;
+        Ok(())
+    }
+}
+
+/// Why a scenario cannot apply to the reference server as the runner started it, if it
+/// cannot.
+fn not_applicable(target: &Target, s: &LoadedScenario) -> Option<&'static str> {
+    let needs = |cap: &str| s.scenario.requires.iter().any(|r| r.value == cap);
+    if needs("peer") && target.peer.is_none() {
+        Some("needs a peer; the reference server has one only on PostgreSQL (--database-url)")
+    } else if needs("database_control") && !target.database_controllable() {
+        Some(
+            "stops and starts the database; the reference server has a database server only on PostgreSQL (--database-url)",
+        )
+    } else {
+        None
+    }
+}
+
+/// Prints each error of a catalog that does not parse, `file:line:col: message`.
+pub fn print_parse_errors(errors: &[crate::scenario::ParseError]) {
+    for e in errors {
+        eprintln!("error: {e}");
+    }
+}
+
+/// Whether a scenario matches any filter (no filters: everything matches).
+pub fn matches_filters(s: &LoadedScenario, filters: &[String]) -> bool {
+    filters.is_empty()
+        || filters.iter().any(|f| {
+            let f = f.to_lowercase();
+            let sc = &s.scenario;
+            sc.id.value.to_lowercase().contains(&f)
+                || sc.title.to_lowercase().contains(&f)
+                || s.family.to_lowercase().contains(&f)
+                || sc.tags.iter().any(|t| t.to_lowercase().contains(&f))
+        })
+}
+
+/// Selects the scenarios of one shard: positions `index-1, index-1+n, ...` of the list
+/// sorted by ID, so shards are disjoint and together cover the list.
+pub fn select_shard<T>(items: Vec<T>, shard: Option<Shard>) -> Vec<T> {
+    match shard {
+        None => items,
+        Some(Shard { index, count }) => items
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % count == index - 1)
+            .map(|(_, s)| s)
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_are_disjoint_and_cover_everything() {
+        let items: Vec<u32> = (0..11).collect();
+        let mut seen = Vec::new();
+        for index in 1..=3 {
+            let part = select_shard(items.clone(), Some(Shard { index, count: 3 }));
+            assert!(part.len() == 3 || part.len() == 4);
+            seen.extend(part);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, items);
+        assert_eq!(
+            select_shard(items.clone(), Some(Shard { index: 2, count: 3 })),
+            vec![1, 4, 7, 10]
+        );
+        assert_eq!(select_shard(items.clone(), None), items);
+    }
+}

@@ -1,0 +1,363 @@
+//! `sandspec run` as a straight line: the arguments become a [`TargetSpec`] (checked before
+//! anything starts), the catalog and the selection a [`RunPlan`], the target is opened, the
+//! engine's scheduler runs the plan, and the results become the report, the printed summary,
+//! the evidence folder and the exit code.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use super::console::{Progress, print_over_budget, print_summary};
+use super::plan::{RunPlan, Selection};
+use crate::cli::{
+    EXIT_CONFORMANT, EXIT_HARNESS, EXIT_INTERRUPTED, EXIT_NOT_CONFORMANT, EXIT_USAGE, RunArgs,
+};
+use crate::engine::{Outcome, Pace, default_jobs, run_until_stopped};
+use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict, junit_xml};
+use crate::scenario::{LoadedScenario, ParseError, load_dir};
+use crate::target::{Endpoint, ReferenceOptions, Target, TargetError, TargetSpec, UrlEndpoint};
+
+/// `sandspec run` from a synchronous `main`: builds a tokio runtime and runs [`run`].
+pub fn run_blocking(args: RunArgs) -> ExitCode {
+    match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime.block_on(run(args)),
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            ExitCode::from(EXIT_HARNESS)
+        }
+    }
+}
+
+/// `sandspec run`. Call from an async context (the binary's tokio runtime).
+pub async fn run(args: RunArgs) -> ExitCode {
+    match run_inner(args).await {
+        Ok(code) => ExitCode::from(code),
+        Err(RunError::Usage(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(RunError::Parse(errors)) => {
+            super::plan::print_parse_errors(&errors);
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(RunError::Harness(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(EXIT_HARNESS)
+        }
+    }
+}
+
+enum RunError {
+    Usage(String),
+    Parse(Vec<ParseError>),
+    Harness(String),
+}
+
+impl From<TargetError> for RunError {
+    fn from(e: TargetError) -> Self {
+        if e.is_usage() {
+            RunError::Usage(e.to_string())
+        } else {
+            RunError::Harness(e.to_string())
+        }
+    }
+}
+
+/// The target the arguments name.
+fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
+    let endpoint = match (&args.target, &args.launch) {
+        (Some(url), _) => Endpoint::Url(UrlEndpoint {
+            url: url.clone(),
+            owner_token_env: args
+                .owner_token_env
+                .clone()
+                .ok_or_else(|| RunError::Usage("--target needs --owner-token-env".into()))?,
+            other_token_env: args
+                .other_token_env
+                .clone()
+                .ok_or_else(|| RunError::Usage("--target needs --other-token-env".into()))?,
+            admin_token_env: args.admin_token_env.clone(),
+            ca_file: args.ca_file.clone(),
+            peer_url: args.peer_url.clone(),
+            base_dir: args.base_dir.clone(),
+            live: args.live,
+        }),
+        (None, Some(command)) => Endpoint::Launch(command.clone()),
+        (None, None) => Endpoint::Reference(ReferenceOptions {
+            binary: std::env::current_exe()
+                .map_err(|e| RunError::Harness(format!("cannot find the sandspec binary: {e}")))?,
+            defects: args.defect.clone(),
+            database_url: args.database_url.clone(),
+            extra_args: Vec::new(),
+            serve_defaults: false,
+        }),
+    };
+    Ok(TargetSpec {
+        assume: args.assume_capability.clone(),
+        drop: args.drop_capability.clone(),
+        request_timeout: args.request_timeout,
+        wait_budget: args.max_wait.0,
+        mcp_server: args.mcp_server.clone(),
+        tool_map: args.tool_map.clone(),
+        envd_domain: args.envd_domain.clone(),
+        ..TargetSpec::new(args.api, endpoint)
+    })
+}
+
+async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
+    let selection = Selection {
+        family: args.family.clone(),
+        filters: args.filter.clone(),
+        shard: args.shard,
+        certify: args.certify,
+    };
+    // A key that cannot sign, a flag that does not fit the profile, and a catalog that does
+    // not parse are usage errors found before anything starts.
+    let sign_key = args
+        .sign_key
+        .as_deref()
+        .map(crate::evidence::SigningKey::from_file)
+        .transpose()
+        .map_err(|e| RunError::Usage(format!("--sign-key: {e}")))?;
+    let spec = target_spec(&args)?.check()?;
+    let catalog = load_dir(&args.api.catalog(&args.scenarios)).map_err(RunError::Parse)?;
+    let mut plan = RunPlan::select(&catalog, &selection).map_err(RunError::Usage)?;
+    let started_at = now_rfc3339();
+    let started = Instant::now();
+    let target = Target::open(spec).await?;
+    plan.drop_not_applicable(&target).map_err(RunError::Usage)?;
+    let run_id = ulid::Ulid::new().to_string().to_lowercase();
+    let target = Arc::new(target);
+    // The first Ctrl-C lets running scenarios finish (their cleanup included) and starts no
+    // more; the receipt then says the run was interrupted and lists what never ran. A second
+    // Ctrl-C aborts at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                stop.store(true, Ordering::SeqCst);
+                eprintln!(
+                    "interrupted: finishing the running scenarios and their cleanup; Ctrl-C again aborts"
+                );
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            }
+        }
+    });
+    let progress = Progress::new(plan.selected.len());
+    let outcomes = run_until_stopped(
+        &target,
+        &plan.selected,
+        &run_id,
+        Pace {
+            jobs: args
+                .jobs
+                .map_or_else(|| default_jobs(&target), |j| j as usize),
+            retries: args.retries,
+            stop: &stop,
+            epoch: started,
+        },
+        |s, r| progress.done(s, r),
+    )
+    .await;
+    progress.finish();
+    let interrupted = stop.load(Ordering::SeqCst);
+    let not_run: Vec<String> = plan
+        .selected
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, r)| r.is_none())
+        .map(|(s, _)| s.scenario.id.value.clone())
+        .collect();
+    let (selected, results): (Vec<LoadedScenario>, Vec<crate::engine::ScenarioRun>) = plan
+        .selected
+        .into_iter()
+        .zip(outcomes)
+        .filter_map(|(s, r)| r.map(|r| (s, r)))
+        .unzip();
+    // Values captured as secrets are known only now; the sanitizer must remove them too.
+    let captured_secrets: Vec<String> = results
+        .iter()
+        .flat_map(|r| r.secrets.iter().cloned())
+        .collect();
+    let scenarios: Vec<ScenarioReport> = selected
+        .iter()
+        .zip(results)
+        .map(|(s, r)| ScenarioReport::new(s, r))
+        .collect();
+    // Anything still tagged with this run's ID is a cleanup failure of the run. A sweep that
+    // cannot finish is a harness error, reported after the evidence is written.
+    let run_sweep = target
+        .profile()
+        .sweep_run(&target.conn(), &target.tokens, &run_id)
+        .await;
+    for s in &run_sweep.found {
+        eprintln!(
+            "cleanup failure: {} (run {run_id}) was still there after every scenario; {}",
+            s.path,
+            if s.removed {
+                "the sweep removed it"
+            } else {
+                "the sweep could NOT remove it"
+            }
+        );
+    }
+    for i in run_sweep.ignored.iter().filter(|i| i.filtered) {
+        eprintln!(
+            "warning: GET {} (as {}) returned {} record(s) without this run's tag although \
+             it was asked to filter by it; they were left alone",
+            i.list, i.principal, i.count
+        );
+    }
+    let mut facts = plan.facts;
+    facts.never_ran = not_run.len();
+    let profiles = RunReport::judge(&scenarios, &facts);
+    let report = RunReport {
+        run_id,
+        suite_version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at,
+        finished_at: now_rfc3339(),
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        target: TargetInfo {
+            kind: target.kind.to_owned(),
+            url: target.base_url.clone(),
+            server_name: target.capabilities.server_name.clone(),
+            server_version: target.capabilities.server_version.clone(),
+            defects: args.defect.clone(),
+            capabilities: target.capabilities.raw.clone(),
+        },
+        profile: args.family.clone(),
+        filters: args.filter.clone(),
+        shard: args.shard.map(|s| s.to_string()),
+        retries: args.retries,
+        certify: args.certify,
+        scenarios,
+        profiles,
+        run_sweep,
+        not_applicable: plan.not_applicable,
+    };
+    let sanitizer = run_sanitizer(&target, &captured_secrets)?;
+    print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
+    print_over_budget(&report, args.max_wait);
+    let written = write_outputs(
+        &args,
+        &report,
+        &sanitizer,
+        &target.canary,
+        sign_key,
+        interrupted,
+        not_run.clone(),
+    );
+    watcher.abort();
+    written.map_err(RunError::Harness)?;
+    Ok(exit_code(&report, interrupted, &not_run))
+}
+
+/// The exit code a finished run ends with (docs/runner.md).
+fn exit_code(report: &RunReport, interrupted: bool, not_run: &[String]) -> u8 {
+    if let Some(e) = &report.run_sweep.error {
+        eprintln!("error: the end-of-run sweep could not finish: {e}");
+        return EXIT_HARNESS;
+    }
+    if interrupted {
+        eprintln!(
+            "interrupted: {} scenario(s) never ran: {}",
+            not_run.len(),
+            not_run.join(" ")
+        );
+        return EXIT_INTERRUPTED;
+    }
+    if report
+        .scenarios
+        .iter()
+        .any(|s| matches!(s.outcome, Outcome::Error { .. }))
+    {
+        return EXIT_HARNESS;
+    }
+    if !report.run_sweep.found.is_empty() {
+        eprintln!(
+            "not conformant: the run left {} resource(s) behind",
+            report.run_sweep.found.len()
+        );
+        return EXIT_NOT_CONFORMANT;
+    }
+    let judged = report
+        .profiles
+        .iter()
+        .find(|p| p.profile == crate::report::ALL)
+        .map(|p| p.verdict);
+    if judged == Some(Verdict::Conformant) {
+        EXIT_CONFORMANT
+    } else {
+        EXIT_NOT_CONFORMANT
+    }
+}
+
+/// The run's sanitizer: the principals' tokens and every value captured as a secret.
+fn run_sanitizer(
+    target: &Target,
+    captured: &[String],
+) -> Result<crate::evidence::Sanitizer, RunError> {
+    let mut sanitizer = crate::evidence::for_tokens(&target.tokens).map_err(|e| {
+        RunError::Usage(format!(
+            "cannot protect the target's tokens in evidence: {e}"
+        ))
+    })?;
+    for (i, value) in captured.iter().enumerate() {
+        // A captured secret too short to redact reliably is refused by the sanitizer; the
+        // leak scan still runs over everything that is written.
+        if sanitizer
+            .add_secret(value, &format!("captured-secret-{i}"))
+            .is_err()
+        {
+            eprintln!("warning: a captured secret is too short to be redacted by value");
+        }
+    }
+    Ok(sanitizer)
+}
+
+/// Writes the evidence folder (always: `--out`, or `evidence/runs/<run-id>/`) and the
+/// optional JUnit file. Everything goes through the sanitizer; the writer refuses to write a
+/// folder in which a secret or the run's canary survives.
+fn write_outputs(
+    args: &RunArgs,
+    report: &RunReport,
+    sanitizer: &crate::evidence::Sanitizer,
+    canary: &str,
+    sign_key: Option<crate::evidence::SigningKey>,
+    interrupted: bool,
+    not_run: Vec<String>,
+) -> Result<(), String> {
+    use crate::evidence::{Subject, WriteOptions, default_run_dir, write_run_folder};
+    let dest = args
+        .out
+        .clone()
+        .unwrap_or_else(|| default_run_dir(Path::new("."), &report.run_id));
+    let subject = Subject::for_target(&report.target)
+        .map_err(|e| format!("cannot identify the tested build: {e}"))?;
+    let options = WriteOptions {
+        canary: canary.to_owned(),
+        subject,
+        interrupted,
+        not_run,
+        sign_key,
+    };
+    let written =
+        write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;
+    eprintln!("evidence: {}", written.display());
+    if let Some(file) = &args.junit {
+        let junit = junit_xml(&crate::evidence::sanitized_report(report, sanitizer));
+        std::fs::write(file, junit).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
+    Ok(())
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
