@@ -22,8 +22,10 @@ pub const EXIT_HARNESS: u8 = 3;
 pub const EXIT_INTERRUPTED: u8 = 130;
 
 const EXIT_CODES_HELP: &str = "Exit codes:
-  0  conformant: every MUST scenario of the profile ran and passed
-  1  not conformant: a MUST scenario failed, was skipped, or none ran
+  0  conformant: every MUST scenario of the profile ran and passed (with
+     --expected-failures: the gate passed)
+  1  not conformant: a MUST scenario failed, was skipped, or none ran, or the run
+     left something behind (with --expected-failures: the gate failed)
   2  usage error: bad flags (--certify with --filter, --shard or --family) or a
      broken scenario file
   3  harness error: target unreachable, reference server would not start,
@@ -123,6 +125,12 @@ pub struct RunArgs {
     /// that `sandspec evidence verify --key PUBFILE` checks.
     #[arg(long, value_name = "FILE")]
     pub sign_key: Option<PathBuf>,
+    /// A baseline of known failures (YAML: `id`, optional `step`, `reason`, optional `link`
+    /// and `expires`): the exit code is then the gate's, which passes when every failure is
+    /// one the baseline lists, at its step, and fails on any other failure, on an entry whose
+    /// scenario now passes (stale) and on an expired entry. The verdict is unchanged.
+    #[arg(long, value_name = "FILE")]
+    pub expected_failures: Option<PathBuf>,
     /// Certification run: the whole catalog (no --filter, --shard or --family), and any skip
     /// makes the run non-conformant.
     #[arg(long)]

@@ -17,6 +17,7 @@
 //!   verdicts and the JUnit XML writer.
 //! - [`evidence`]: the evidence receipt, the one sanitizer, the run-folder writer and its
 //!   verifier.
+//! - [`gate`]: expected failures (`--expected-failures`) and the gate a CI job decides on.
 //! - [`live`]: the guard for non-loopback targets, the end-of-run sweep of everything tagged
 //!   with the run's ID, and `sandspec sweep` for leftovers of interrupted runs.
 //! - [`profile`]: protocol profiles (`--api v1|e2b|mcp|agent-sandbox`), one module each: its
@@ -39,6 +40,7 @@ pub mod commands;
 pub mod connect;
 pub mod engine;
 pub mod evidence;
+pub mod gate;
 pub mod live;
 pub mod mcp;
 pub mod profile;

@@ -66,8 +66,12 @@ pub enum Verdict {
     /// No MUST failed, but one was skipped or passed only on retry, or the run was stopped
     /// before every selected scenario ran.
     Partial,
-    /// A MUST failed or errored, no MUST ran at all, or (with `--certify`) something skipped.
+    /// A MUST failed or errored, the run left something behind or could not confirm it left
+    /// nothing, or (with `--certify`) something skipped.
     NonConformant,
+    /// No MUST scenario of it ran (each was skipped, with its reason): nothing was judged,
+    /// which is not conformance either.
+    NotTested,
 }
 
 impl Verdict {
@@ -77,6 +81,7 @@ impl Verdict {
             Verdict::Conformant => "conformant",
             Verdict::Partial => "partial",
             Verdict::NonConformant => "non-conformant",
+            Verdict::NotTested => "not-tested",
         }
     }
 }
@@ -129,9 +134,15 @@ pub struct FamilyVerdict {
 }
 
 impl FamilyVerdict {
-    /// The verdict as printed: `conformant (subset: 3 of 95 scenarios)`.
+    /// The verdict as printed: `conformant (subset: 3 of 95 scenarios)`; a conformant one
+    /// with SHOULD failures names them, `conformant, 2 SHOULD failed: A, B`.
     pub fn line(&self) -> String {
-        verdict_line(self.verdict.as_str(), self.scope)
+        match (&self.verdict, &self.reason) {
+            (Verdict::Conformant, Some(reason)) => {
+                verdict_line(&format!("conformant, {reason}"), self.scope)
+            }
+            _ => verdict_line(self.verdict.as_str(), self.scope),
+        }
     }
 }
 
@@ -189,6 +200,12 @@ pub struct RunFacts {
     pub selected: BTreeMap<String, usize>,
     /// Scenarios of the whole catalog, per family.
     pub catalog: BTreeMap<String, usize>,
+    /// What the end-of-run sweep found still tagged with the run's ID after every scenario:
+    /// each a cleanup failure of the run.
+    pub left_behind: usize,
+    /// Why the end-of-run sweep could not finish: then the run cannot confirm it left
+    /// nothing behind.
+    pub sweep_error: Option<String>,
 }
 
 impl RunFacts {
@@ -240,16 +257,34 @@ pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> Fam
     let skipped = ids(None, &[Label::Skip]);
     let must_skipped = ids(must, &[Label::Skip]);
     let flaky = ids(must, &[Label::Flaky]);
-    let (verdict, reason) = if !failed.is_empty() {
-        (
-            Verdict::NonConformant,
-            Some(format!("MUST failed: {}", failed.join(", "))),
-        )
+    // Cleanup is a MUST of every profile: what the run as a whole left behind, or could not
+    // confirm it did not, is judged with all of it.
+    let mut against = Vec::new();
+    if !failed.is_empty() {
+        against.push(format!("MUST failed: {}", failed.join(", ")));
+    }
+    if profile == ALL && facts.left_behind > 0 {
+        against.push(format!(
+            "the run left {} resource(s) behind",
+            facts.left_behind
+        ));
+    }
+    if profile == ALL
+        && let Some(e) = &facts.sweep_error
+    {
+        against.push(format!(
+            "cleanup could not be confirmed: the end-of-run sweep could not finish: {e}"
+        ));
+    }
+    let (verdict, reason) = if !against.is_empty() {
+        (Verdict::NonConformant, Some(against.join("; ")))
     } else if must_run == 0 {
-        (
-            Verdict::NonConformant,
-            Some("no MUST scenario was executed".to_owned()),
-        )
+        let why = if must_skipped.is_empty() {
+            "no MUST scenario ran".to_owned()
+        } else {
+            format!("no MUST scenario ran; skipped: {}", must_skipped.join(", "))
+        };
+        (Verdict::NotTested, Some(why))
     } else if facts.certify && !skipped.is_empty() {
         (
             Verdict::NonConformant,
@@ -276,6 +311,21 @@ pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> Fam
         )
     } else {
         (Verdict::Conformant, None)
+    };
+    // A SHOULD failure changes no verdict, and is never out of sight: it is named beside it.
+    let should_failed = ids(Some(Level::Should), &[Label::Fail, Label::Error]);
+    let reason = match (reason, should_failed.is_empty()) {
+        (reason, true) => reason,
+        (None, false) => Some(format!(
+            "{} SHOULD failed: {}",
+            should_failed.len(),
+            should_failed.join(", ")
+        )),
+        (Some(r), false) => Some(format!(
+            "{r}; {} SHOULD failed: {}",
+            should_failed.len(),
+            should_failed.join(", ")
+        )),
     };
     FamilyVerdict {
         profile: profile.to_owned(),
@@ -373,6 +423,13 @@ impl ScenarioReport {
     }
 }
 
+/// Failures the baseline does not expect.
+fn count_failed(list: &[&ScenarioReport], expected: &BTreeMap<String, String>) -> usize {
+    list.iter()
+        .filter(|s| matches!(s.outcome, Outcome::Fail { .. }) && !expected.contains_key(&s.id))
+        .count()
+}
+
 /// Escapes text for XML 1.0 attributes and content; characters XML cannot hold become U+FFFD.
 pub fn xml_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -393,8 +450,11 @@ pub fn xml_escape(s: &str) -> String {
 
 /// JUnit XML: one `<testsuite>` per family; failures, errors and skips as JUnit elements;
 /// a flaky pass carries a Surefire-style `<flakyFailure>`. Each suite's `<properties>` give
-/// its family's verdict and the run's, with their scope (`subset: 3 of 95 scenarios`).
-pub fn junit_xml(report: &RunReport) -> String {
+/// its family's verdict and the run's, with their scope (`subset: 3 of 95 scenarios`). A
+/// failure the run's baseline expects (`expected`: scenario ID to the baseline's reason) is
+/// reported as skipped, with that reason and the failure, so that a CI that reads JUnit
+/// gates as the run's gate does.
+pub fn junit_xml(report: &RunReport, expected: &BTreeMap<String, String>) -> String {
     let mut families: BTreeMap<&str, Vec<&ScenarioReport>> = BTreeMap::new();
     for s in &report.scenarios {
         families.entry(s.family.as_str()).or_default().push(s);
@@ -409,9 +469,11 @@ pub fn junit_xml(report: &RunReport) -> String {
         x,
         "<testsuites name=\"sandspec\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\" time=\"{}\">",
         all.len(),
-        count(&all, |o| matches!(o, Outcome::Fail { .. })),
+        count_failed(&all, expected),
         count(&all, |o| matches!(o, Outcome::Error { .. })),
-        count(&all, |o| matches!(o, Outcome::Skip { .. })),
+        count(&all, |o| matches!(o, Outcome::Skip { .. }))
+            + count(&all, |o| matches!(o, Outcome::Fail { .. }))
+            - count_failed(&all, expected),
         secs(report.duration_ms)
     );
     for (family, list) in &families {
@@ -421,9 +483,11 @@ pub fn junit_xml(report: &RunReport) -> String {
             "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" skipped=\"{}\" time=\"{}\">",
             xml_escape(family),
             list.len(),
-            count(list, |o| matches!(o, Outcome::Fail { .. })),
+            count_failed(list, expected),
             count(list, |o| matches!(o, Outcome::Error { .. })),
-            count(list, |o| matches!(o, Outcome::Skip { .. })),
+            count(list, |o| matches!(o, Outcome::Skip { .. }))
+                + count(list, |o| matches!(o, Outcome::Fail { .. }))
+                - count_failed(list, expected),
             secs(time)
         );
         let line = |name: &str| {
@@ -469,6 +533,16 @@ pub fn junit_xml(report: &RunReport) -> String {
                         x,
                         ">\n      <skipped message=\"{}\"/>\n    </testcase>\n",
                         xml_escape(reason)
+                    );
+                }
+                Outcome::Fail { step, reason } if expected.contains_key(&s.id) => {
+                    let _ = write!(
+                        x,
+                        ">\n      <skipped message=\"{}\"/>\n    </testcase>\n",
+                        xml_escape(&format!(
+                            "expected failure ({}): {step}: {reason}",
+                            expected[&s.id]
+                        ))
                     );
                 }
                 Outcome::Fail { step, reason } => {
@@ -596,13 +670,24 @@ mod tests {
         );
         assert_eq!(
             v(vec![report("A-001", "f", Should, Outcome::Pass)], false),
-            NonConformant,
+            NotTested,
             "no MUST ran"
         );
         assert_eq!(
             v(vec![report("A-001", "f", Must, skip())], false),
-            NonConformant,
+            NotTested,
             "no MUST ran"
+        );
+        assert_eq!(
+            v(
+                vec![
+                    report("A-001", "f", Must, skip()),
+                    report("A-002", "f", Should, fail())
+                ],
+                false
+            ),
+            NotTested,
+            "a SHOULD failure judges no MUST"
         );
         assert_eq!(
             v(
@@ -619,6 +704,66 @@ mod tests {
             first_failure: "x".into(),
         };
         assert_eq!(v(vec![report("A-001", "f", Must, flaky)], false), Partial);
+    }
+
+    /// A SHOULD failure leaves a verdict as it is and is named beside it; nothing judged is
+    /// `not-tested`, with the skipped MUST scenarios named.
+    #[test]
+    fn should_failures_are_named_and_nothing_judged_is_not_tested() {
+        let list = [
+            report("A-001", "f", Level::Must, Outcome::Pass),
+            report("A-002", "f", Level::Should, fail()),
+            report("A-003", "f", Level::Should, fail()),
+        ];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let facts = RunFacts::whole_catalog(rows.iter().map(|r| r.family));
+        let all = judge(&rows, &facts).pop().unwrap();
+        assert_eq!(all.verdict, Verdict::Conformant);
+        assert_eq!(all.line(), "conformant, 2 SHOULD failed: A-002, A-003");
+        let list = [
+            report("A-001", "f", Level::Must, fail()),
+            report("A-002", "f", Level::Should, fail()),
+        ];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let all = judge(&rows, &RunFacts::whole_catalog(["f", "f"]))
+            .pop()
+            .unwrap();
+        assert_eq!(
+            all.reason.as_deref(),
+            Some("MUST failed: A-001; 1 SHOULD failed: A-002")
+        );
+        assert_eq!(all.line(), "non-conformant");
+        let list = [report("A-001", "f", Level::Must, skip())];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let all = judge(&rows, &RunFacts::whole_catalog(["f"])).pop().unwrap();
+        assert_eq!(all.verdict, Verdict::NotTested);
+        assert_eq!(
+            all.reason.as_deref(),
+            Some("no MUST scenario ran; skipped: A-001")
+        );
+    }
+
+    /// What the run as a whole left behind, or could not confirm it did not, makes `all`
+    /// non-conformant whatever its scenarios did; the families are judged on their own.
+    #[test]
+    fn cleanup_of_the_whole_run_is_judged_with_all() {
+        let list = [report("A-001", "f", Level::Must, Outcome::Pass)];
+        let rows: Vec<Judged<'_>> = list.iter().map(ScenarioReport::judged).collect();
+        let facts = RunFacts {
+            left_behind: 2,
+            sweep_error: Some("GET /v2/sandboxes: status 405".into()),
+            ..RunFacts::whole_catalog(["f"])
+        };
+        let verdicts = judge(&rows, &facts);
+        assert_eq!(verdicts[0].verdict, Verdict::Conformant, "the family");
+        let all = verdicts.last().unwrap();
+        assert_eq!(all.verdict, Verdict::NonConformant);
+        assert_eq!(
+            all.reason.as_deref(),
+            Some(
+                "the run left 2 resource(s) behind; cleanup could not be confirmed: the end-of-run sweep could not finish: GET /v2/sandboxes: status 405"
+            )
+        );
     }
 
     #[test]
@@ -735,7 +880,7 @@ mod tests {
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
         };
-        let xml = junit_xml(&rep);
+        let xml = junit_xml(&rep, &BTreeMap::new());
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");
         assert!(
             xml.contains(

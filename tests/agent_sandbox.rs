@@ -244,8 +244,11 @@ fn launch_belongs_to_the_agent_sandbox_profile_and_the_profile_needs_a_target() 
     assert!(stderr.contains("needs --launch COMMAND or --target URL"));
 }
 
+/// Against a URL the runner cannot restart the service: a scenario that restarts it does not
+/// apply there, said with the way to run it (`--launch`), and the rest of the selection is
+/// judged on its own.
 #[test]
-fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
+fn against_a_url_target_restart_scenarios_are_not_applicable() {
     let Some(bin) = service_bin() else { return };
     let service = RUNTIME
         .block_on(LaunchedService::start(&launch_command(&bin, None)))
@@ -253,6 +256,7 @@ fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
     let out = tempfile::tempdir().unwrap();
     let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
         .args(["run", "--api", "agent-sandbox", "--filter", "ASB-DUR-001"])
+        .args(["--filter", "ASB-AUTH-001"])
         .args(["--target", &service.url])
         .args([
             "--owner-token-env",
@@ -273,15 +277,18 @@ fn against_a_url_target_restart_scenarios_are_skipped_with_the_reason() {
         String::from_utf8_lossy(&run.stdout),
         String::from_utf8_lossy(&run.stderr)
     );
-    // A skipped MUST scenario leaves the profile partial: not conformant, and said why.
-    assert_eq!(run.status.code(), Some(1), "stderr:\n{stderr}");
+    assert_eq!(run.status.code(), Some(0), "stderr:\n{stderr}");
     assert!(
-        stderr.contains("SKIP  ASB-DUR-001")
-            && stderr.contains(
-                "the runner did not start the target (--launch), so it cannot restart it"
-            ),
+        stderr.contains("not applicable: ASB-DUR-001 kills and restarts the target's server")
+            && stderr.contains("--launch")
+            && stderr.contains("PASS  ASB-AUTH-001")
+            && !stderr.contains("SKIP  ASB"),
         "{stderr}"
     );
+    let receipt = crate::support::receipt::predicate(&out.path().join("evidence"));
+    let not_applicable = receipt["selection"]["not_applicable"].as_array().unwrap();
+    assert_eq!(not_applicable.len(), 1, "{not_applicable:?}");
+    assert_eq!(not_applicable[0]["id"], "ASB-DUR-001");
     RUNTIME.block_on(async move { drop(service) });
 }
 

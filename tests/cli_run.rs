@@ -37,12 +37,27 @@ fn small_catalog(dir: &std::path::Path) -> PathBuf {
 }
 
 async fn run_against(defects: &[&str], env_prefix: &str, out: &std::path::Path) -> ExitCode {
+    let server = reference_with(defects).await;
+    run_on(&server, env_prefix, out, &[]).await
+}
+
+async fn reference_with(defects: &[&str]) -> ReferenceServer {
     let options = ReferenceOptions {
         binary: PathBuf::from(env!("CARGO_BIN_EXE_sandspec")),
         defects: defects.iter().map(|d| (*d).to_owned()).collect(),
         ..ReferenceOptions::default()
     };
-    let server = ReferenceServer::start(&options).await.unwrap();
+    ReferenceServer::start(&options).await.unwrap()
+}
+
+/// `sandspec run` of the small catalog against `server`, tokens in variables named after
+/// `env_prefix`, evidence in `out`, with `extra` flags.
+async fn run_on(
+    server: &ReferenceServer,
+    env_prefix: &str,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> ExitCode {
     let catalog = small_catalog(out.parent().unwrap());
     let owner = format!("{env_prefix}_OWNER");
     let other = format!("{env_prefix}_OTHER");
@@ -54,7 +69,9 @@ async fn run_against(defects: &[&str], env_prefix: &str, out: &std::path::Path) 
         std::env::set_var(&other, &server.tokens.other);
         std::env::set_var(&admin, server.tokens.admin.as_deref().unwrap());
     }
-    let args = Wrapper::try_parse_from([
+    let catalog = catalog.display().to_string();
+    let out = out.display().to_string();
+    let mut argv = vec![
         "run",
         "--target",
         &server.url,
@@ -65,13 +82,14 @@ async fn run_against(defects: &[&str], env_prefix: &str, out: &std::path::Path) 
         "--admin-token-env",
         &admin,
         "--scenarios",
-        &catalog.display().to_string(),
+        &catalog,
         "--out",
-        &out.display().to_string(),
+        &out,
         "--jobs",
         "2",
-    ])
-    .unwrap();
+    ];
+    argv.extend_from_slice(extra);
+    let args = Wrapper::try_parse_from(argv).unwrap();
     sandspec::commands::run(args.run).await
 }
 
@@ -140,6 +158,135 @@ async fn clean_server_is_conformant_and_a_defect_is_not() {
         .map(|s| s["id"].as_str().unwrap())
         .collect();
     assert_eq!(failed, vec!["SBX-LIFE-002"]);
+}
+
+/// A baseline of known failures gates the run: every failure expected passes the gate (exit
+/// 0) while the verdict stays non-conformant; a failure the baseline lost, a stale entry, an
+/// expired one and one listed at another step each fail it (exit 1). Every folder verifies:
+/// `evidence verify` judges the gate again. JUnit reports the expected failure as skipped.
+#[tokio::test]
+async fn a_baseline_of_known_failures_gates_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = reference_with(&["ttl-not-enforced"]).await;
+    let first = dir.path().join("first");
+    assert_eq!(
+        run_on(&server, "SANDSPEC_GATE_FIRST", &first, &[]).await,
+        ExitCode::from(1)
+    );
+    let report = receipt::predicate(&first);
+    let failed = receipt::scenario(&report, "SBX-LIFE-002");
+    assert_eq!(failed["outcome"], "fail");
+    let step = failed["failed_step"].as_str().unwrap().to_owned();
+    let baseline = |name: &str, entries: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, entries).unwrap();
+        path.display().to_string()
+    };
+    let known = format!(
+        "- id: SBX-LIFE-002\n  step: {step:?}\n  reason: expiry is off\n  link: https://tracker.example/1\n  expires: 2999-12-31\n"
+    );
+    let cases = [
+        (
+            "expected",
+            known.clone(),
+            0,
+            "pass (1 expected failure(s) of 1 listed)",
+        ),
+        (
+            "removed",
+            String::new(),
+            1,
+            "unexpected failure: SBX-LIFE-002",
+        ),
+        (
+            "stale",
+            format!("{known}- id: SBX-LIFE-001\n  reason: it used to fail\n"),
+            1,
+            "stale (passes now; remove it from the baseline): SBX-LIFE-001",
+        ),
+        (
+            "expired",
+            known.replace("2999-12-31", "2020-01-31"),
+            1,
+            "expired: SBX-LIFE-002",
+        ),
+        (
+            "wrong-step",
+            known.replace(&step, "steps[0] create"),
+            1,
+            "failed at another step than listed: SBX-LIFE-002",
+        ),
+    ];
+    for (name, entries, code, gate) in cases {
+        let file = baseline(&format!("{name}.yaml"), &entries);
+        let out = dir.path().join(name);
+        let junit = dir.path().join(format!("{name}.xml"));
+        let got = run_on(
+            &server,
+            &format!("SANDSPEC_GATE_{}", name.to_uppercase().replace('-', "_")),
+            &out,
+            &[
+                "--expected-failures",
+                &file,
+                "--junit",
+                &junit.display().to_string(),
+            ],
+        )
+        .await;
+        assert_eq!(got, ExitCode::from(code), "{name}");
+        let report = receipt::predicate(&out);
+        assert_eq!(
+            receipt::verdict(&report),
+            "non-conformant",
+            "{name}: the verdict stays"
+        );
+        let stated = &report["gate"];
+        assert_eq!(
+            stated["result"],
+            if code == 0 { "pass" } else { "fail" },
+            "{name}"
+        );
+        let line = if code == 0 {
+            "pass (1 expected failure(s) of 1 listed)".to_owned()
+        } else {
+            stated["reasons"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r.as_str().unwrap())
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        assert!(line.contains(gate), "{name}: {line}");
+        assert_eq!(
+            sandspec::evidence::verify_cli(&out, None),
+            0,
+            "{name}: verifies"
+        );
+        let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+        assert!(summary.contains("## Gate"), "{name}: {summary}");
+        let junit = std::fs::read_to_string(&junit).unwrap();
+        let expected_as_skipped = junit.contains("expected failure (expiry is off)");
+        assert_eq!(
+            expected_as_skipped,
+            name == "expected" || name == "stale" || name == "expired",
+            "{name}: {junit}"
+        );
+    }
+    // A baseline that names no scenario of the catalog is a usage error, before anything runs.
+    let bad = baseline("bad.yaml", "- id: NOPE-001\n  reason: r\n");
+    let out = dir.path().join("bad");
+    assert_eq!(
+        run_on(
+            &server,
+            "SANDSPEC_GATE_BAD",
+            &out,
+            &["--expected-failures", &bad]
+        )
+        .await,
+        ExitCode::from(2)
+    );
+    assert!(!out.exists(), "nothing ran");
 }
 
 #[test]
@@ -533,11 +680,12 @@ async fn e2b_sweep_removes_only_tagged_leftovers() {
     assert_eq!(e2b_status_of(&server, &young).await, 200);
 }
 
-/// A URL target without `--peer-url`: a scenario that requires a peer is SKIPPED with that
-/// reason, never passed, and the skipped MUST makes the verdict `partial` (exit 1). With the
-/// target itself named as its peer (one process serves the whole deployment), it runs.
+/// A URL target without `--peer-url`: a scenario that requires a peer does not apply to it,
+/// said with the way to run it and recorded in the receipt, never passed and never skipped,
+/// so the correct deployment is conformant on what it serves (exit 0). With the target itself
+/// named as its peer (one process serves the whole deployment), it runs.
 #[tokio::test]
-async fn a_peer_scenario_skips_without_a_peer() {
+async fn a_peer_scenario_is_not_applicable_without_a_peer() {
     let dir = tempfile::tempdir().unwrap();
     let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios");
     let catalog = dir.path().join("catalog");
@@ -590,10 +738,26 @@ async fn a_peer_scenario_skips_without_a_peer() {
         sandspec::commands::run(args.run)
     };
     let without = dir.path().join("without");
-    assert_eq!(run(without.clone(), None).await, ExitCode::from(1));
-    let (verdict, outcome, reason) = outcome_of(&without);
-    assert_eq!((verdict.as_str(), outcome.as_str()), ("partial", "skip"));
-    assert!(reason.unwrap().contains("no peer"));
+    assert_eq!(run(without.clone(), None).await, ExitCode::from(0));
+    let report = receipt::predicate(&without);
+    assert_eq!(receipt::verdict(&report), "conformant");
+    assert!(
+        receipt::scenarios(&report)
+            .iter()
+            .all(|s| s["id"] != "FLT-PEER-001"),
+        "never run"
+    );
+    let not_applicable = report["selection"]["not_applicable"].as_array().unwrap();
+    assert_eq!(not_applicable.len(), 1, "{not_applicable:?}");
+    assert_eq!(not_applicable[0]["id"], "FLT-PEER-001");
+    assert!(
+        not_applicable[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("--peer-url"),
+        "{not_applicable:?}"
+    );
+    assert_eq!(sandspec::evidence::verify_cli(&without, None), 0);
 
     let with = dir.path().join("with");
     assert_eq!(

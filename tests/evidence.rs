@@ -60,6 +60,7 @@ impl Run {
             interrupted: false,
             not_run: Vec::new(),
             sign_key: None,
+            gate: None,
         }
     }
 
@@ -1775,6 +1776,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         interrupted: false,
         not_run: vec![],
         sign_key: None,
+        gate: None,
     };
     let tmp = tempfile::tempdir().unwrap();
     let dest = write_run_folder(

@@ -100,8 +100,8 @@ async fn reference() -> ReferenceServer {
 
 /// A listener that answers only its capabilities: every scenario fails at its first
 /// request once the request timeout passes, and the end-of-run sweep cannot list anything.
-/// The run ends with the reasons in the receipt, not conformant; since it could not confirm
-/// that it left nothing behind, its exit code is 3.
+/// The run ends with the reasons in the receipt, non-conformant (exit 1): it could not confirm
+/// that it left nothing behind, and the verdict says so.
 #[tokio::test]
 async fn a_target_that_never_answers_ends_the_run() {
     let url = faulty_proxy::silent_target(json!({
@@ -128,9 +128,16 @@ async fn a_target_that_never_answers_ends_the_run() {
     );
     let out = dir.path().join("out");
     let code = run(&url, &env, &catalog, &out, &["--request-timeout", "1s"]).await;
-    assert_eq!(code, ExitCode::from(3));
+    assert_eq!(code, ExitCode::from(1));
     let r = receipt::predicate(&out);
     assert_eq!(verdict(&r), "non-conformant");
+    let all = receipt::profile(&r, "all");
+    assert!(
+        all["reason"].as_str().unwrap().contains(
+            "cleanup could not be confirmed: the end-of-run sweep could not finish: GET /v1/sessions"
+        ),
+        "{all}"
+    );
     for id in ["SBX-LIFE-001", "FILE-RW-001"] {
         let s = scenario(&r, id);
         assert_eq!(s["outcome"], "fail", "{s}");
@@ -414,7 +421,7 @@ async fn a_scenario_that_leaks_fails_at_its_leak_check_and_is_swept() {
         json!({"ignored": [], "error": null})
     );
     assert!(
-        r["scenarios"].as_array().unwrap().len() == 1 && verdict(&r) == "non-conformant",
+        r["scenarios"].as_array().unwrap().len() == 1 && verdict(&r) == "not-tested",
         "a SHOULD scenario alone: no MUST ran"
     );
     assert_eq!(

@@ -5,7 +5,7 @@ use std::io::IsTerminal as _;
 
 use crate::cli::MaxWait;
 use crate::engine::{Outcome, ScenarioRun};
-use crate::report::RunReport;
+use crate::report::{RunReport, Verdict};
 use crate::scenario::LoadedScenario;
 
 /// A progress bar on a terminal, one line per scenario otherwise (CI logs).
@@ -85,7 +85,11 @@ pub fn print_summary(report: &RunReport) {
         .filter(|p| p.profile == crate::report::ALL)
     {
         println!("\n{}: {}", p.profile, p.line());
-        if let Some(reason) = &p.reason {
+        if let Some(reason) = p
+            .reason
+            .as_ref()
+            .filter(|_| p.verdict != Verdict::Conformant)
+        {
             println!("{}: {reason}", p.verdict);
         }
     }

@@ -75,9 +75,9 @@ impl RunPlan {
         };
         let facts = RunFacts {
             certify: selection.certify,
-            never_ran: 0,
             selected: per_family(&mut selected.iter()),
             catalog: per_family(&mut catalog.iter()),
+            ..RunFacts::default()
         };
         Ok(RunPlan {
             selected,
@@ -87,15 +87,10 @@ impl RunPlan {
     }
 
     /// Leaves out the selected scenarios that cannot apply to `target`, each named on stderr
-    /// and recorded in the report and the receipt. The reference server has a peer, and a
-    /// database server to stop, only on PostgreSQL: on SQLite the scenarios that need one are
-    /// not applicable rather than skipped, which would make the reference's own run partial.
-    /// A URL target skips them, and so does a certification run. A usage error when nothing
-    /// is left.
+    /// with the way to run it, and recorded in the report and the receipt: they are not
+    /// skipped, which would make a correct target's run partial, and they do not count as
+    /// passed either. A usage error when nothing is left.
     pub fn drop_not_applicable(&mut self, target: &Target) -> Result<(), String> {
-        if target.kind != "reference" || self.facts.certify {
-            return Ok(());
-        }
         let mut rest = Vec::new();
         for s in std::mem::take(&mut self.selected) {
             let Some(reason) = not_applicable(target, &s) else {
@@ -110,7 +105,7 @@ impl RunPlan {
         }
         if rest.is_empty() {
             return Err(
-                "no scenario selected: every selected scenario needs PostgreSQL (--database-url)"
+                "no scenario selected: no selected scenario applies to this target (see above)"
                     .into(),
             );
         }
@@ -119,18 +114,30 @@ impl RunPlan {
     }
 }
 
-/// Why a scenario cannot apply to the reference server as the runner started it, if it
-/// cannot.
+/// Why a scenario cannot apply to the target as the run reaches it, if it cannot: what it
+/// needs is a part of the deployment the run does not have (a second server process, a
+/// database server), or control over the target's processes that only a target the runner
+/// started gives. Each reason names the way to run it.
 fn not_applicable(target: &Target, s: &LoadedScenario) -> Option<&'static str> {
     let needs = |cap: &str| s.scenario.requires.iter().any(|r| r.value == cap);
-    if needs("peer") && target.peer.is_none() {
-        Some("needs a peer; the reference server has one only on PostgreSQL (--database-url)")
-    } else if needs("database_control") && !target.database_controllable() {
-        Some(
+    match target.kind {
+        "reference" if needs("peer") && target.peer.is_none() => {
+            Some("needs a peer; the reference server has one only on PostgreSQL (--database-url)")
+        }
+        "reference" if needs("database_control") && !target.database_controllable() => Some(
             "stops and starts the database; the reference server has a database server only on PostgreSQL (--database-url)",
-        )
-    } else {
-        None
+        ),
+        "reference" => None,
+        _ if needs("database_control") => Some(
+            "stops and starts the target's database, which the runner does only to the reference server it starts on PostgreSQL (--database-url)",
+        ),
+        _ if needs("peer") && target.peer.is_none() => {
+            Some("needs a second server process of the same deployment: name it with --peer-url")
+        }
+        _ if (needs("server_control") || needs("restart")) && !target.can_restart() => Some(
+            "kills and restarts the target's server, which the runner does only to one it starts: the reference server, or the service under test with --launch",
+        ),
+        _ => None,
     }
 }
 

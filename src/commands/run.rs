@@ -3,6 +3,7 @@
 //! engine's scheduler runs the plan, and the results become the report, the printed summary,
 //! the evidence folder and the exit code.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -15,6 +16,8 @@ use crate::cli::{
     EXIT_CONFORMANT, EXIT_HARNESS, EXIT_INTERRUPTED, EXIT_NOT_CONFORMANT, EXIT_USAGE, RunArgs,
 };
 use crate::engine::{Outcome, Pace, default_jobs, run_until_stopped};
+use crate::evidence::{Subject, WriteOptions};
+use crate::gate::{Baseline, Gate, GateRow};
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict, junit_xml};
 use crate::scenario::{LoadedScenario, ParseError, load_dir};
 use crate::target::{Endpoint, ReferenceOptions, Target, TargetError, TargetSpec, UrlEndpoint};
@@ -124,6 +127,13 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     let spec = target_spec(&args)?.check()?;
     let catalog = load_dir(&args.api.catalog(&args.scenarios)).map_err(RunError::Parse)?;
     let mut plan = RunPlan::select(&catalog, &selection).map_err(RunError::Usage)?;
+    let baseline = match &args.expected_failures {
+        Some(file) => {
+            let ids: BTreeSet<&str> = catalog.iter().map(LoadedScenario::id).collect();
+            Some(Baseline::read(file, &ids).map_err(|e| RunError::Usage(e.to_string()))?)
+        }
+        None => None,
+    };
     let started_at = now_rfc3339();
     let started = Instant::now();
     let target = Target::open(spec).await?;
@@ -215,6 +225,8 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     }
     let mut facts = plan.facts;
     facts.never_ran = not_run.len();
+    facts.left_behind = run_sweep.found.len();
+    facts.sweep_error.clone_from(&run_sweep.error);
     let profiles = RunReport::judge(&scenarios, &facts);
     let report = RunReport {
         run_id,
@@ -240,28 +252,53 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         run_sweep,
         not_applicable: plan.not_applicable,
     };
+    let gate = baseline.map(|b| gate_of(&b, &report, &facts));
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
     print_summary(&crate::evidence::sanitized_report(&report, &sanitizer));
     print_over_budget(&report, args.max_wait);
+    if let Some(gate) = &gate {
+        println!("gate: {}", gate.line());
+    }
     let written = write_outputs(
         &args,
         &report,
         &sanitizer,
-        &target.canary,
-        sign_key,
-        interrupted,
-        not_run.clone(),
+        WriteOptions {
+            canary: target.canary.clone(),
+            subject: Subject::for_target(&report.target)
+                .map_err(|e| RunError::Harness(format!("cannot identify the tested build: {e}")))?,
+            interrupted,
+            not_run: not_run.clone(),
+            sign_key,
+            gate: gate.clone(),
+        },
     );
     watcher.abort();
     written.map_err(RunError::Harness)?;
-    Ok(exit_code(&report, interrupted, &not_run))
+    Ok(exit_code(&report, interrupted, &not_run, gate.as_ref()))
 }
 
-/// The exit code a finished run ends with (docs/runner.md).
-fn exit_code(report: &RunReport, interrupted: bool, not_run: &[String]) -> u8 {
+/// The gate of a finished run against its baseline, judged on the day the run ended.
+fn gate_of(baseline: &Baseline, report: &RunReport, facts: &crate::report::RunFacts) -> Gate {
+    let rows: Vec<GateRow<'_>> = report
+        .scenarios
+        .iter()
+        .map(|s| GateRow {
+            judged: s.judged(),
+            failed_step: match &s.outcome {
+                Outcome::Fail { step, .. } => Some(step.as_str()),
+                _ => None,
+            },
+        })
+        .collect();
+    let day = report.finished_at.get(..10).unwrap_or_default();
+    Gate::judge(baseline, &rows, facts, day)
+}
+
+/// The exit code a finished run ends with (docs/runner.md): with a baseline, the gate's.
+fn exit_code(report: &RunReport, interrupted: bool, not_run: &[String], gate: Option<&Gate>) -> u8 {
     if let Some(e) = &report.run_sweep.error {
-        eprintln!("error: the end-of-run sweep could not finish: {e}");
-        return EXIT_HARNESS;
+        eprintln!("not conformant: the end-of-run sweep could not finish: {e}");
     }
     if interrupted {
         eprintln!(
@@ -278,12 +315,12 @@ fn exit_code(report: &RunReport, interrupted: bool, not_run: &[String]) -> u8 {
     {
         return EXIT_HARNESS;
     }
-    if !report.run_sweep.found.is_empty() {
-        eprintln!(
-            "not conformant: the run left {} resource(s) behind",
-            report.run_sweep.found.len()
-        );
-        return EXIT_NOT_CONFORMANT;
+    if let Some(gate) = gate {
+        return if gate.passed() {
+            EXIT_CONFORMANT
+        } else {
+            EXIT_NOT_CONFORMANT
+        };
     }
     let judged = report
         .profiles
@@ -327,30 +364,22 @@ fn write_outputs(
     args: &RunArgs,
     report: &RunReport,
     sanitizer: &crate::evidence::Sanitizer,
-    canary: &str,
-    sign_key: Option<crate::evidence::SigningKey>,
-    interrupted: bool,
-    not_run: Vec<String>,
+    options: WriteOptions,
 ) -> Result<(), String> {
-    use crate::evidence::{Subject, WriteOptions, default_run_dir, write_run_folder};
+    use crate::evidence::{default_run_dir, expected_failures, write_run_folder};
     let dest = args
         .out
         .clone()
         .unwrap_or_else(|| default_run_dir(Path::new("."), &report.run_id));
-    let subject = Subject::for_target(&report.target)
-        .map_err(|e| format!("cannot identify the tested build: {e}"))?;
-    let options = WriteOptions {
-        canary: canary.to_owned(),
-        subject,
-        interrupted,
-        not_run,
-        sign_key,
-    };
+    let expected = expected_failures(options.gate.as_ref());
     let written =
         write_run_folder(&dest, report, sanitizer, &options).map_err(|e| e.to_string())?;
     eprintln!("evidence: {}", written.display());
     if let Some(file) = &args.junit {
-        let junit = junit_xml(&crate::evidence::sanitized_report(report, sanitizer));
+        let junit = junit_xml(
+            &crate::evidence::sanitized_report(report, sanitizer),
+            &expected,
+        );
         std::fs::write(file, junit).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
     }
     Ok(())

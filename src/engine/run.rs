@@ -284,6 +284,12 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             });
         }
     }
+    if scenario.builtins.contains("base_dir") && target.capabilities.base_dir.is_none() {
+        return Some(
+            "uses the directory the target confines files to, which the run was not given (--base-dir DIR with --target)"
+                .into(),
+        );
+    }
     if target.tokens.admin.is_none()
         && scenario
             .steps

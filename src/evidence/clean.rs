@@ -6,6 +6,7 @@ use base64::Engine as _;
 use super::receipt::strip_userinfo;
 use super::sanitize::{REDACTED, Sanitizer};
 use crate::engine::{Body, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
+use crate::gate::{Baseline, Expected, Gate};
 use crate::report::{FamilyVerdict, RunReport, ScenarioReport, TargetInfo};
 
 /// A copy of `report` with every string sanitized, for anything else that writes a report
@@ -90,6 +91,36 @@ impl<'a> Cleaner<'a> {
                     reason: self.s(&n.reason),
                 })
                 .collect(),
+        }
+    }
+
+    /// A gate with every string the baseline or the run put in it sanitized.
+    pub fn gate(&self, g: &Gate) -> Gate {
+        let list = |l: &[String]| self.all(l);
+        Gate {
+            baseline: Baseline {
+                file: self.s(&g.baseline.file),
+                sha256: g.baseline.sha256.clone(),
+                entries: g
+                    .baseline
+                    .entries
+                    .iter()
+                    .map(|e| Expected {
+                        id: self.s(&e.id),
+                        step: e.step.as_deref().map(|t| self.s(t)),
+                        reason: self.s(&e.reason),
+                        link: e.link.as_deref().map(|t| self.s(t)),
+                        expires: e.expires.clone(),
+                    })
+                    .collect(),
+            },
+            result: g.result.clone(),
+            expected: list(&g.expected),
+            unexpected: list(&g.unexpected),
+            stale: list(&g.stale),
+            expired: list(&g.expired),
+            wrong_step: list(&g.wrong_step),
+            reasons: list(&g.reasons),
         }
     }
 

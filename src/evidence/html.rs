@@ -407,6 +407,14 @@ fn notes(r: &Receipt) -> Vec<String> {
     if s.certify {
         notes.push("Certification run: any skip makes the verdict non-conformant.".to_owned());
     }
+    if let Some(gate) = &r.gate {
+        notes.push(format!(
+            "Gate against the baseline {} ({} entries): {}. The verdict above is unchanged by it.",
+            gate.baseline.file,
+            gate.baseline.entries.len(),
+            gate.line()
+        ));
+    }
     notes
 }
 

@@ -36,4 +36,6 @@ pub use sign::{
     ENVELOPE, Envelope, EnvelopeSignature, KeyError, PAYLOAD_TYPE, SigningKey, VerifyingKey, pae,
 };
 pub use verify::{Problem, VerifyReport, verify, verify_cli, verify_with_key};
-pub use writer::{EvidenceError, WriteOptions, default_run_dir, write_run_folder};
+pub use writer::{
+    EvidenceError, WriteOptions, default_run_dir, expected_failures, write_run_folder,
+};

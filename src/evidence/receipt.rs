@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::placeholders::Placeholders;
 use crate::engine::{Entry, Frame, Outcome};
+use crate::gate::Gate;
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict};
 
 /// `_type` of an in-toto Statement v1.
@@ -141,6 +142,10 @@ pub struct Receipt {
     pub cleanup: Cleanup,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
+    /// The gate of a run given a baseline of expected failures (`--expected-failures`): the
+    /// baseline, and whether every failure was expected. Absent without a baseline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<Gate>,
     /// `summary.md`, `junit.xml` and `report.html` with their SHA-256, so that a signature
     /// over the receipt covers the views of it too. Filled in by the writer once they are
     /// rendered (they are rendered from the receipt without this list).
@@ -267,7 +272,7 @@ pub struct FileRef {
 #[serde(deny_unknown_fields)]
 pub struct ProfileResult {
     pub profile: String,
-    /// `conformant`, `partial` or `non-conformant`.
+    /// `conformant`, `partial`, `non-conformant` or `not-tested`.
     pub verdict: String,
     pub reason: Option<String>,
     /// Scenarios per outcome label (`PASS`, `FAIL`, ...).
@@ -473,6 +478,8 @@ pub(crate) struct ReceiptInput<'a> {
     pub sanitizer: SanitizerInfo,
     /// Transcript path and digest per scenario index.
     pub transcripts: &'a [Option<FileRef>],
+    /// The run's gate, sanitized.
+    pub gate: Option<Gate>,
 }
 
 impl Statement {
@@ -649,6 +656,7 @@ impl Statement {
                 cleanup,
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
+                gate: input.gate.clone(),
                 documents: Vec::new(),
             },
         }

@@ -133,6 +133,50 @@ pub(crate) fn render(statement: &Statement) -> String {
         );
     }
 
+    if let Some(gate) = &r.gate {
+        let _ = writeln!(
+            md,
+            "\n## Gate\n\nAgainst the baseline `{}` (sha256 `{}`, {} entries): **{}**. The verdicts above are unchanged by it.\n",
+            cell(&gate.baseline.file),
+            gate.baseline.sha256,
+            gate.baseline.entries.len(),
+            cell(&gate.line())
+        );
+        if !gate.baseline.entries.is_empty() {
+            md.push_str("| scenario | at step | reason | link | expires | this run |\n|---|---|---|---|---|---|\n");
+            for e in &gate.baseline.entries {
+                let this_run = if gate.expected.contains(&e.id) {
+                    "failed as expected"
+                } else if gate.stale.contains(&e.id) {
+                    "passed: stale"
+                } else if gate
+                    .wrong_step
+                    .iter()
+                    .any(|w| w.starts_with(&format!("{}:", e.id)))
+                {
+                    "failed at another step"
+                } else {
+                    "not judged"
+                };
+                let this_run = if gate.expired.contains(&e.id) {
+                    format!("{this_run}; expired")
+                } else {
+                    this_run.to_owned()
+                };
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    cell(&e.id),
+                    cell(e.step.as_deref().unwrap_or("any")),
+                    cell(&e.reason),
+                    cell(e.link.as_deref().unwrap_or("")),
+                    cell(e.expires.as_deref().unwrap_or("")),
+                    this_run
+                );
+            }
+        }
+    }
+
     let c = &r.counts;
     md.push_str("\n## Counts\n\n| scenarios | pass | flaky | skip | fail | error | never ran | requests | 2xx responses | 401/403 responses |\n");
     md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");

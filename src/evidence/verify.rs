@@ -21,6 +21,7 @@ use super::receipt::{Coverage, OutcomeLabel, Receipt, Statement, suite_commit};
 use super::sanitize::Sanitizer;
 use super::schema::validate_receipt;
 use super::sign::{ENVELOPE, Envelope, VerifyingKey, envelope_problems};
+use crate::gate::{Gate, GateRow};
 use crate::report::{ALL, Judged, RunFacts, judge};
 use crate::scenario::Level;
 
@@ -351,6 +352,13 @@ fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
     let mut facts = RunFacts {
         certify: sel.certify,
         never_ran: r.not_run.len(),
+        left_behind: r
+            .cleanup
+            .swept
+            .iter()
+            .filter(|s| s.scenario == super::receipt::RUN_SWEEP)
+            .count(),
+        sweep_error: r.cleanup.run_sweep.error.clone(),
         ..RunFacts::default()
     };
     for p in r.profiles.iter().filter(|p| p.profile != ALL) {
@@ -424,6 +432,26 @@ fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
             bad(format!(
                 "profile `{}`: scope {} of {} (subset {}) does not follow from the selection and its {in_family} reported scenarios",
                 want.profile, got.selected, got.catalog, got.subset
+            ));
+        }
+    }
+    // The gate: the same rules, fed the receipt's rows, its baseline and the day it ended.
+    if let Some(stated) = &r.gate {
+        let gate_rows: Vec<GateRow<'_>> = rows
+            .iter()
+            .zip(&r.scenarios)
+            .map(|(judged, s)| GateRow {
+                judged: *judged,
+                failed_step: s.failed_step.as_deref(),
+            })
+            .collect();
+        let day = r.ended_at.get(..10).unwrap_or_default();
+        let rejudged = Gate::judge(&stated.baseline, &gate_rows, &facts, day);
+        if &rejudged != stated {
+            bad(format!(
+                "the gate says {} but the scenario outcomes and the baseline give {}",
+                stated.line(),
+                rejudged.line()
             ));
         }
     }

@@ -25,6 +25,7 @@ use super::sanitize::{Sanitizer, SecretError};
 use super::schema::validate_receipt;
 use super::sign::SigningKey;
 use super::verify::scanned_leaks;
+use crate::gate::Gate;
 use crate::report::{RunReport, junit_xml};
 
 /// What the writer needs besides the report and the sanitizer.
@@ -41,6 +42,8 @@ pub struct WriteOptions {
     pub not_run: Vec<String>,
     /// Sign the receipt with this key (`receipt.dsse.json`).
     pub sign_key: Option<SigningKey>,
+    /// The gate of a run given a baseline of expected failures (`--expected-failures`).
+    pub gate: Option<Gate>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +76,21 @@ pub enum EvidenceError {
     Json(#[from] serde_json::Error),
     #[error("write evidence: report.html")]
     Report(#[from] super::html::HtmlError),
+}
+
+/// The failures a gate expected, by scenario ID, with the baseline's reason: what JUnit
+/// reports as skipped.
+pub fn expected_failures(gate: Option<&Gate>) -> BTreeMap<String, String> {
+    let Some(gate) = gate else {
+        return BTreeMap::new();
+    };
+    gate.expected
+        .iter()
+        .filter_map(|id| {
+            let entry = gate.baseline.entries.iter().find(|e| &e.id == id)?;
+            Some((id.clone(), entry.reason.clone()))
+        })
+        .collect()
 }
 
 /// `<root>/evidence/runs/<run-id>`, the default destination.
@@ -151,12 +169,20 @@ pub(crate) fn render(
             canary_checked: true,
         },
         transcripts: &refs,
+        gate: options.gate.as_ref().map(|g| cleaner.gate(g)),
     };
     let mut statement = Statement::build(&clean, &input);
     // The views are rendered from the receipt (and the transcripts) before it names them.
     let views = [
         (SUMMARY, super::summary::render(&statement).into_bytes()),
-        (JUNIT, junit_xml(&clean).into_bytes()),
+        (
+            JUNIT,
+            junit_xml(
+                &clean,
+                &expected_failures(statement.predicate.gate.as_ref()),
+            )
+            .into_bytes(),
+        ),
         (
             REPORT,
             super::html::render(&statement, &files)?.into_bytes(),
@@ -383,6 +409,7 @@ mod tests {
             interrupted: false,
             not_run: vec![],
             sign_key: None,
+            gate: None,
         }
     }
 

@@ -78,6 +78,9 @@ pub fn first_line(rendered: &str) -> String {
 pub struct Checker<'a> {
     file: &'a Path,
     pub errors: Vec<ParseError>,
+    /// The built-in variables the scenario uses (`base_dir`, `limits.max_file_bytes`):
+    /// what it needs of the run beyond its `requires`.
+    pub builtins: BTreeSet<String>,
 }
 
 /// Names defined so far while walking the steps.
@@ -96,6 +99,7 @@ impl<'a> Checker<'a> {
         Checker {
             file,
             errors: Vec::new(),
+            builtins: BTreeSet::new(),
         }
     }
 
@@ -296,6 +300,9 @@ impl<'a> Checker<'a> {
     }
 
     fn var(&mut self, var: &str, pos: Pos, scope: &Scope, ctx: &CheckCtx<'_>) {
+        if builtin(var).is_some() {
+            self.builtins.insert(var.to_owned());
+        }
         match builtin(var) {
             Some(Builtin::Known) => {}
             Some(Builtin::OtherProvider) => {

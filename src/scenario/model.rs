@@ -40,6 +40,10 @@ pub struct Scenario {
     /// Always run, whatever happened in `steps`.
     #[serde(default)]
     pub cleanup: Vec<Step>,
+    /// The built-in variables the scenario's steps use (`base_dir`, `limits.<key>`), found
+    /// by the parser: what the scenario needs of the run beyond its `requires`.
+    #[serde(skip)]
+    pub builtins: std::collections::BTreeSet<String>,
 }
 
 /// One negative control: a deliberate defect of the reference server and the step of

@@ -46,6 +46,8 @@ pub fn parse_str(file: &Path, text: &str) -> Result<Scenario, Vec<ParseError>> {
     let mut checker = Checker::new(file);
     check_scenario(&mut checker, &scenario);
     if checker.errors.is_empty() {
+        let mut scenario = scenario;
+        scenario.builtins = checker.builtins;
         Ok(scenario)
     } else {
         checker.errors.sort_by_key(|e| e.pos);
