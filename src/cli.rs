@@ -117,6 +117,10 @@ pub struct RunArgs {
     /// or be empty).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// A label recorded in the receipt's selection, the same for every shard of one run
+    /// (e.g. the CI pipeline's ID): what `sandspec evidence merge` ties the shards by.
+    #[arg(long, value_name = "TEXT")]
+    pub label: Option<String>,
     /// Write JUnit XML to this file.
     #[arg(long, value_name = "FILE")]
     pub junit: Option<PathBuf>,

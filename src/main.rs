@@ -50,6 +50,38 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum EvidenceCommand {
+    /// Compare two run folders for a release review: regressions, fixes, scenarios added or
+    /// removed, verdicts and the gate that changed, MUST clauses newly covered or lost, and
+    /// scenarios whose time changed beyond the runs' own spread. Both must verify. Prints
+    /// Markdown; exit code 0 when nothing got worse, 1 when something did, 2 when a folder is
+    /// refused.
+    Diff {
+        /// The earlier run's folder.
+        old: PathBuf,
+        /// The later run's folder.
+        new: PathBuf,
+        /// Also write the comparison as JSON to this file.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Write the Markdown to this file instead of standard output.
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<PathBuf>,
+    },
+    /// Merge the folders of one run's shards (`--shard 1/n` ... `n/n`) into one verified
+    /// folder with one verdict. Exit code as the whole run's: 0 conformant (or its gate
+    /// passed), 1 not (or its gate failed); 2 when the shards are refused (missing, given
+    /// twice, of another run, or not verified), 3 when writing failed.
+    Merge {
+        /// The shard folders, in any order.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Where to write the merged folder (it must not exist, or be empty).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Sign the merged receipt with this Ed25519 private key (PKCS#8 PEM).
+        #[arg(long, value_name = "FILE")]
+        sign_key: Option<PathBuf>,
+    },
     /// Check a run folder: manifest digests, the receipt against its schema and the folder,
     /// a scan of every file for secrets, and with --key the receipt's signature. Exit code 0
     /// only when all hold, 1 otherwise, 2 when DIR is not a folder or the key is unusable.
@@ -85,5 +117,16 @@ fn main() -> ExitCode {
         Command::Evidence(EvidenceCommand::Verify { dir, key }) => ExitCode::from(
             u8::try_from(sandspec::evidence::verify_cli(&dir, key.as_deref())).unwrap_or(1),
         ),
+        Command::Evidence(EvidenceCommand::Diff {
+            old,
+            new,
+            json,
+            markdown,
+        }) => sandspec::commands::diff(&old, &new, json.as_deref(), markdown.as_deref()),
+        Command::Evidence(EvidenceCommand::Merge {
+            dirs,
+            out,
+            sign_key,
+        }) => sandspec::commands::merge(&dirs, &out, sign_key.as_deref()),
     }
 }

@@ -379,6 +379,8 @@ pub struct RunReport {
     pub profile: String,
     pub filters: Vec<String>,
     pub shard: Option<String>,
+    /// A label the run was given (`--label`): what ties the shards of one run together.
+    pub label: Option<String>,
     pub retries: u32,
     pub certify: bool,
     pub scenarios: Vec<ScenarioReport>,
@@ -870,6 +872,7 @@ mod tests {
             profile: "all".into(),
             filters: vec![],
             shard: None,
+            label: None,
             retries: 0,
             certify: false,
             profiles: RunReport::judge(

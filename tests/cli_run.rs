@@ -289,6 +289,252 @@ async fn a_baseline_of_known_failures_gates_the_run() {
     assert!(!out.exists(), "nothing ran");
 }
 
+/// Two real runs compared for a release review: a clean server, then one with a defect. The
+/// diff names the regression (and, the other way round, the fix), writes JSON beside the
+/// Markdown, and refuses a folder that does not verify.
+#[tokio::test]
+async fn evidence_diff_names_a_regression_and_a_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = dir.path().join("clean");
+    let broken = dir.path().join("broken");
+    assert_eq!(
+        run_against(&[], "SANDSPEC_DIFF_CLEAN", &clean).await,
+        ExitCode::from(0)
+    );
+    assert_eq!(
+        run_against(&["ttl-not-enforced"], "SANDSPEC_DIFF_BROKEN", &broken).await,
+        ExitCode::from(1)
+    );
+    let json = dir.path().join("diff.json");
+    let md = dir.path().join("diff.md");
+    assert_eq!(
+        sandspec::commands::diff(&clean, &broken, Some(&json), Some(&md)),
+        ExitCode::from(1),
+        "a regression is worse"
+    );
+    let diff: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let ids = |key: &str| -> Vec<String> {
+        diff[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(ids("regressions"), ["SBX-LIFE-002"]);
+    assert!(ids("fixes").is_empty());
+    assert!(
+        diff["verdicts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["of"] == "all" && v["old"] == "conformant" && v["new"] == "non-conformant"),
+        "{diff}"
+    );
+    let text = std::fs::read_to_string(&md).unwrap();
+    assert!(
+        text.contains("## Regressions (1)")
+            && text.contains("| SBX-LIFE-002 | MUST | Pass | Fail |"),
+        "{text}"
+    );
+    let back = dir.path().join("back.json");
+    assert_eq!(
+        sandspec::commands::diff(
+            &broken,
+            &clean,
+            Some(&back),
+            Some(&dir.path().join("back.md"))
+        ),
+        ExitCode::from(0),
+        "a fix is not worse"
+    );
+    let back: serde_json::Value = serde_json::from_slice(&std::fs::read(&back).unwrap()).unwrap();
+    assert_eq!(back["fixes"][0]["id"], "SBX-LIFE-002");
+    assert_eq!(back["regressions"], serde_json::json!([]));
+    // A folder whose receipt was changed after it was written is refused.
+    let receipt = broken.join("receipt.json");
+    let text = std::fs::read_to_string(&receipt)
+        .unwrap()
+        .replace("non-conformant", "conformant");
+    std::fs::write(&receipt, text).unwrap();
+    assert_eq!(
+        sandspec::commands::diff(&clean, &broken, None, Some(&dir.path().join("refused.md"))),
+        ExitCode::from(2)
+    );
+}
+
+/// The three shards of one run, run separately with one label, merge into one verified
+/// folder with one verdict over all three; a missing shard, a shard given twice and a shard
+/// of another run are refused, naming what is wrong.
+#[tokio::test]
+async fn evidence_merge_joins_the_shards_of_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = reference_with(&[]).await;
+    let mut shards = Vec::new();
+    for i in 1..=3 {
+        let out = dir.path().join(format!("shard{i}"));
+        let shard = format!("{i}/3");
+        assert_eq!(
+            run_on(
+                &server,
+                &format!("SANDSPEC_MERGE_{i}"),
+                &out,
+                &["--shard", &shard, "--label", "pipeline-42"]
+            )
+            .await,
+            ExitCode::from(0)
+        );
+        shards.push(out);
+    }
+    let merged = dir.path().join("merged");
+    assert_eq!(
+        sandspec::commands::merge(&shards, &merged, None),
+        ExitCode::from(0)
+    );
+    assert_eq!(
+        sandspec::evidence::verify_cli(&merged, None),
+        0,
+        "the merged folder verifies"
+    );
+    let report = receipt::predicate(&merged);
+    assert_eq!(receipt::verdict(&report), "conformant");
+    assert_eq!(receipt::scenarios(&report).len(), 3);
+    assert_eq!(
+        report["selection"]["subset"], false,
+        "the shards cover the catalog"
+    );
+    assert_eq!(report["selection"]["label"], "pipeline-42");
+    let from: Vec<&str> = report["merged_from"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["shard"].as_str().unwrap())
+        .collect();
+    assert_eq!(from, ["1/3", "2/3", "3/3"]);
+    let refused = |dirs: Vec<std::path::PathBuf>, name: &str| {
+        let out = dir.path().join(name);
+        let code = sandspec::commands::merge(&dirs, &out, None);
+        assert!(!out.exists(), "{name}: nothing is written");
+        code
+    };
+    assert_eq!(
+        refused(vec![shards[0].clone(), shards[2].clone()], "missing"),
+        ExitCode::from(2)
+    );
+    assert_eq!(
+        refused(
+            vec![
+                shards[0].clone(),
+                shards[1].clone(),
+                shards[1].clone(),
+                shards[2].clone()
+            ],
+            "twice"
+        ),
+        ExitCode::from(2)
+    );
+    // A shard of another run: another label.
+    let foreign = dir.path().join("foreign");
+    assert_eq!(
+        run_on(
+            &server,
+            "SANDSPEC_MERGE_FOREIGN",
+            &foreign,
+            &["--shard", "2/3", "--label", "pipeline-43"]
+        )
+        .await,
+        ExitCode::from(0)
+    );
+    assert_eq!(
+        refused(
+            vec![shards[0].clone(), foreign, shards[2].clone()],
+            "with-foreign"
+        ),
+        ExitCode::from(2)
+    );
+    // A folder that is not a shard at all.
+    assert_eq!(
+        refused(vec![merged.clone()], "not-a-shard"),
+        ExitCode::from(2)
+    );
+}
+
+/// The script the CI recipes of docs/ci.md call, run here as a pipeline runs it: two shards of
+/// a small catalog against the embedded reference server, merged (the gate, exit 0 for a
+/// conformant run), and the merged evidence compared with the previous release's (here, a
+/// copy of it: nothing changed), and with none.
+#[test]
+fn the_ci_script_runs_a_pipeline_locally() {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = small_catalog(dir.path());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ci/sandspec-ci.sh");
+    let step = |args: &[&str]| {
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .args(args)
+            .current_dir(dir.path())
+            .env("SANDSPEC", env!("CARGO_BIN_EXE_sandspec"))
+            .env("SANDSPEC_LABEL", "local-pipeline")
+            .env("CI", "true")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+    let catalog = catalog.display().to_string();
+    for i in ["1", "2"] {
+        let (code, text) = step(&[
+            "shard",
+            i,
+            "2",
+            &format!("shard-{i}"),
+            "--scenarios",
+            &catalog,
+        ]);
+        assert_eq!(code, Some(0), "shard {i}: {text}");
+        assert!(
+            dir.path().join(format!("shard-{i}.junit.xml")).exists(),
+            "{text}"
+        );
+    }
+    let (code, text) = step(&["merge", "merged", "shard-2", "shard-1"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("all: conformant"), "{text}");
+    assert_eq!(
+        sandspec::evidence::verify_cli(&dir.path().join("merged"), None),
+        0
+    );
+    let (code, text) = step(&["merge", "again", "shard-1"]);
+    assert_eq!(code, Some(2), "a missing shard is refused: {text}");
+    let (code, text) = step(&["diff", "previous", "merged", "first.md"]);
+    assert_eq!(code, Some(0), "{text}");
+    let report = std::fs::read_to_string(dir.path().join("first.md")).unwrap();
+    assert!(
+        report.contains("No evidence of a previous release"),
+        "{report}"
+    );
+    let copy = std::process::Command::new("cp")
+        .args(["-r", "merged", "previous"])
+        .current_dir(dir.path())
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let (code, text) = step(&["diff", "previous", "merged", "diff.md"]);
+    assert_eq!(code, Some(0), "{text}");
+    let report = std::fs::read_to_string(dir.path().join("diff.md")).unwrap();
+    assert!(
+        report.contains("## Regressions (0)") && report.contains("## Fixes (0)"),
+        "{report}"
+    );
+    assert!(dir.path().join("diff.json").exists());
+    let (code, _) = step(&["nonsense"]);
+    assert_eq!(code, Some(2), "a usage error");
+}
+
 #[test]
 fn list_and_bad_flags() {
     #[derive(Parser)]

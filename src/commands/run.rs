@@ -245,6 +245,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         profile: args.family.clone(),
         filters: args.filter.clone(),
         shard: args.shard.map(|s| s.to_string()),
+        label: args.label.clone(),
         retries: args.retries,
         certify: args.certify,
         scenarios,

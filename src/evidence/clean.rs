@@ -67,6 +67,7 @@ impl<'a> Cleaner<'a> {
             profile: self.s(&r.profile),
             filters: self.all(&r.filters),
             shard: r.shard.as_deref().map(|t| self.s(t)),
+            label: r.label.as_deref().map(|t| self.s(t)),
             retries: r.retries,
             certify: r.certify,
             scenarios: r.scenarios.iter().map(|s| self.scenario(s)).collect(),

@@ -142,6 +142,10 @@ pub struct Receipt {
     pub cleanup: Cleanup,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
+    /// The shards this folder was merged from (`sandspec evidence merge`), in shard order;
+    /// empty for a folder a run wrote.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub merged_from: Vec<ShardRef>,
     /// The gate of a run given a baseline of expected failures (`--expected-failures`): the
     /// baseline, and whether every failure was expected. Absent without a baseline.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -150,6 +154,21 @@ pub struct Receipt {
     /// over the receipt covers the views of it too. Filled in by the writer once they are
     /// rendered (they are rendered from the receipt without this list).
     pub documents: Vec<FileRef>,
+}
+
+/// One shard of a merged folder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardRef {
+    /// `i/n`.
+    pub shard: String,
+    pub run_id: String,
+    pub started_at: String,
+    pub ended_at: String,
+    /// SHA-256 of the shard's `receipt.json`.
+    pub receipt_sha256: String,
+    /// The machine that ran the shard.
+    pub environment: Environment,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,6 +203,9 @@ pub struct Selection {
     pub profile: String,
     pub filters: Vec<String>,
     pub shard: Option<String>,
+    /// The run's `--label`, when it was given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
     pub retries: u32,
     pub certify: bool,
     /// Selected scenarios left out because they cannot apply to the target, with why.
@@ -640,6 +662,7 @@ impl Statement {
                     profile: report.profile.clone(),
                     filters: report.filters.clone(),
                     shard: report.shard.clone(),
+                    label: report.label.clone(),
                     retries: report.retries,
                     certify: report.certify,
                     not_applicable: report.not_applicable.clone(),
@@ -656,6 +679,7 @@ impl Statement {
                 cleanup,
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
+                merged_from: Vec::new(),
                 gate: input.gate.clone(),
                 documents: Vec::new(),
             },

@@ -538,6 +538,30 @@ fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) -> std:
     Ok(())
 }
 
+/// Every file of a folder: relative path → bytes.
+pub type Files = BTreeMap<String, Vec<u8>>;
+
+/// A folder that verifies, read: its receipt and every file. `Err` lists why it does not
+/// verify (or cannot be read), as `evidence verify` would print it.
+pub fn load_verified(dir: &Path) -> Result<(Statement, Files), Vec<String>> {
+    if !dir.is_dir() {
+        return Err(vec![format!("{} is not a directory", dir.display())]);
+    }
+    let report = verify(dir);
+    if !report.ok() {
+        return Err(report.problems.iter().map(ToString::to_string).collect());
+    }
+    let mut files = BTreeMap::new();
+    collect(dir, dir, &mut files).map_err(|e| vec![e.to_string()])?;
+    let statement = files
+        .get(RECEIPT)
+        .ok_or_else(|| vec![format!("{RECEIPT} is missing")])
+        .and_then(|bytes| {
+            serde_json::from_slice::<Statement>(bytes).map_err(|e| vec![json_error(&e)])
+        })?;
+    Ok((statement, files))
+}
+
 /// `sandspec evidence verify <dir> [--key PUBFILE]`: prints the result; returns the exit code
 /// (0 verified, 1 not verified, 2 not a directory or an unusable key file).
 pub fn verify_cli(dir: &Path, key: Option<&Path>) -> i32 {

@@ -171,18 +171,34 @@ pub(crate) fn render(
         transcripts: &refs,
         gate: options.gate.as_ref().map(|g| cleaner.gate(g)),
     };
-    let mut statement = Statement::build(&clean, &input);
+    let statement = Statement::build(&clean, &input);
+    let junit = junit_xml(
+        &clean,
+        &expected_failures(statement.predicate.gate.as_ref()),
+    );
+    finish(
+        statement,
+        files,
+        &junit,
+        &scanner,
+        options.sign_key.as_ref(),
+    )
+}
+
+/// The rest of a folder around its transcripts: the views rendered from the receipt (and the
+/// transcripts), the receipt naming them, validated against its schema and signed with `key`,
+/// every file scanned with `scanner`, and the manifest.
+pub(crate) fn finish(
+    mut statement: Statement,
+    mut files: BTreeMap<String, Vec<u8>>,
+    junit: &str,
+    scanner: &Sanitizer,
+    key: Option<&SigningKey>,
+) -> Result<BTreeMap<String, Vec<u8>>, EvidenceError> {
     // The views are rendered from the receipt (and the transcripts) before it names them.
     let views = [
         (SUMMARY, super::summary::render(&statement).into_bytes()),
-        (
-            JUNIT,
-            junit_xml(
-                &clean,
-                &expected_failures(statement.predicate.gate.as_ref()),
-            )
-            .into_bytes(),
-        ),
+        (JUNIT, junit.as_bytes().to_vec()),
         (
             REPORT,
             super::html::render(&statement, &files)?.into_bytes(),
@@ -199,7 +215,7 @@ pub(crate) fn render(
     let receipt = serde_json::to_value(&statement)?;
     validate_receipt(&receipt).map_err(EvidenceError::Schema)?;
     let receipt = pretty(&receipt)?;
-    if let Some(key) = &options.sign_key {
+    if let Some(key) = key {
         files.insert(ENVELOPE.to_owned(), pretty(&key.sign(&receipt))?);
     }
     files.insert(RECEIPT.to_owned(), receipt);
@@ -214,7 +230,7 @@ pub(crate) fn render(
         )
     });
     for (name, bytes) in order {
-        scan(&scanner, name, bytes)?;
+        scan(scanner, name, bytes)?;
     }
     let manifest = Manifest {
         files: files
@@ -280,7 +296,10 @@ fn pretty<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
 
 /// Writes into a fresh sibling directory, verifies it, then renames it to `dest`; on any
 /// error the temporary directory is removed and `dest` is untouched.
-fn write_atomically(dest: &Path, files: &BTreeMap<String, Vec<u8>>) -> Result<(), EvidenceError> {
+pub(crate) fn write_atomically(
+    dest: &Path,
+    files: &BTreeMap<String, Vec<u8>>,
+) -> Result<(), EvidenceError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| EvidenceError::Io { path, source }
@@ -388,6 +407,7 @@ mod tests {
             profile: "all".into(),
             filters: vec![],
             shard: None,
+            label: None,
             retries: 0,
             certify: false,
             profiles: RunReport::judge(
