@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use clap::Args;
 use rmcp::ServiceExt as _;
 
-use crate::defects::{Defect, Defects};
+use crate::defects::Defects;
 
 pub use control::ControlPlane;
 pub use tools::{PROVIDER, SandboxTools};
@@ -140,9 +140,4 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for EofSignal<R> {
         }
         polled
     }
-}
-
-/// Whether a defect is on, for the tools module.
-fn has(defects: &Defects, d: Defect) -> bool {
-    defects.has(d)
 }

@@ -15,7 +15,6 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use super::control::{ControlError, ControlPlane};
-use super::has;
 use crate::defects::{Defect, Defects};
 
 /// The provider prefix of every handle this server returns.
@@ -69,7 +68,7 @@ impl SandboxTools {
     }
 
     fn handle(&self, id: &str) -> String {
-        if has(&self.defects, Defect::McpBareHandles) {
+        if self.defects.has(Defect::McpBareHandles) {
             id.to_owned()
         } else {
             format!("{PROVIDER}:{id}")
@@ -201,14 +200,14 @@ impl SandboxTools {
             s.closed
         };
         if late {
-            if has(&self.defects, Defect::McpLateCreateLeaks) {
+            if self.defects.has(Defect::McpLateCreateLeaks) {
                 return refused("the session ended while the sandbox was being created");
             }
             let _ = self.control.kill(&id).await;
             return refused("the session ended while the sandbox was being created; it was killed");
         }
         if (cpu.is_some() || memory_mb.is_some())
-            && !has(&self.defects, Defect::McpUnverifiedResources)
+            && !self.defects.has(Defect::McpUnverifiedResources)
         {
             let shortfall = match self.control.get(&id).await {
                 Ok(detail) => {
@@ -285,10 +284,10 @@ impl SandboxTools {
             let mut s = lock(&self.state);
             s.closed = true;
             let mut doomed: Vec<String> = std::mem::take(&mut s.created).into_iter().collect();
-            if has(&self.defects, Defect::McpKeepsCreatedAtShutdown) {
+            if self.defects.has(Defect::McpKeepsCreatedAtShutdown) {
                 doomed.clear();
             }
-            if has(&self.defects, Defect::McpKillsBorrowedAtShutdown) {
+            if self.defects.has(Defect::McpKillsBorrowedAtShutdown) {
                 doomed.extend(std::mem::take(&mut s.borrowed));
             }
             doomed
