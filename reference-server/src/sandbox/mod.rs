@@ -10,64 +10,18 @@ mod files;
 mod isolation;
 mod local;
 mod process;
+mod provider;
 
 pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
 pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
 pub use local::{Isolation, IsolationReport, LocalProvider};
+pub use provider::{ProviderError, Signal};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::config::Config;
 use crate::stream::EventLog;
-
-/// Why a provider refused or failed an operation.
-#[derive(Debug, thiserror::Error)]
-pub enum ProviderError {
-    /// The request exceeds what the provider can grant; nothing was created.
-    #[error("resources unsatisfiable: {0}")]
-    Unsatisfiable(String),
-    /// The sandbox, snapshot or process is not known to this provider.
-    #[error("not found")]
-    NotFound,
-    /// The process has already ended.
-    #[error("process has exited")]
-    ProcessExited,
-    /// The process was started without `stdin: true`.
-    #[error("process has no stdin")]
-    NoStdin,
-    /// The working directory of a process is not inside the sandbox.
-    #[error("invalid path")]
-    InvalidPath,
-    /// A request field names something the sandbox does not have (a program that cannot be
-    /// run, a working directory that does not exist); nothing was started.
-    #[error("{detail}")]
-    InvalidArgument { param: &'static str, detail: String },
-    /// The operating system refused (spawn failed, disk full, ...).
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
-}
-
-/// Signals a client may send to a process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Signal {
-    Term,
-    Kill,
-    Int,
-}
-
-impl Signal {
-    pub fn parse(s: &str) -> Option<Signal> {
-        match s {
-            "TERM" => Some(Signal::Term),
-            "KILL" => Some(Signal::Kill),
-            "INT" => Some(Signal::Int),
-            _ => None,
-        }
-    }
-}
 
 /// Every provider of this server, by name; the first is the default.
 pub struct Providers {
