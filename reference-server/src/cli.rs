@@ -303,7 +303,7 @@ impl ServeArgs {
             test_controls,
             defects,
             tls,
-            gateway: crate::gateway::GatewayConfig::from_env(),
+            gateway: crate::config::GatewayConfig::from_env(),
         })
     }
 }

@@ -5,7 +5,6 @@
 //! # Layout
 //!
 //! - `artifacts`: the files a turn leaves below `artifacts/`, copied when it ends.
-//! - [`config`]: worker binary, model endpoint, lease and cancellation timings.
 //! - `model`: the stored and wire shapes of sessions, submissions and operations.
 //! - `core`: the engine, one type in parts: per-session serialization, persistence and
 //!   transitions (`core/mod.rs`), views and artifacts (`views`), the worker launcher
@@ -17,12 +16,15 @@
 //! - `worker` (private; entered through `cli::worker_main`): the worker runtime that
 //!   `sandspec-worker` and `sandspec worker` run inside a sandbox.
 //!
+//! Its settings (worker binary, model endpoint, lease and cancellation timings) are
+//! [`crate::config::GatewayConfig`], part of the server's configuration, where the sandbox
+//! provider also reads the worker binary it shows inside sandboxes.
+//!
 //! Architecture invariant: the gateway changes a session's state only while holding that
 //! session's lock, and appends the event reporting a change before releasing it.
 
 mod artifacts;
 mod bridge;
-pub mod config;
 mod core;
 mod events;
 mod http;
@@ -33,5 +35,4 @@ pub mod signing;
 mod submissions;
 pub(crate) mod worker;
 
-pub use config::{GatewayConfig, worker_binary};
 pub use routes::routes;

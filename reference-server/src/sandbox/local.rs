@@ -192,7 +192,7 @@ impl LocalProvider {
         if let Some(tls) = &server.tls {
             exposed.push(tls.cert.clone());
         }
-        if let Some(bin) = crate::gateway::worker_binary(&server.gateway) {
+        if let Some(bin) = server.gateway.worker_binary() {
             exposed.push(bin);
         }
         let weakened = Weakened {

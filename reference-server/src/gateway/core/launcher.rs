@@ -28,7 +28,9 @@ impl Gateway {
     /// The worker's command line: the configured binary; else `sandspec-worker` beside the
     /// running executable; else the running executable's `worker` subcommand.
     pub(super) fn worker_command(&self) -> ApiResult<Vec<String>> {
-        let bin = crate::gateway::config::worker_binary(&self.cfg)
+        let bin = self
+            .cfg
+            .worker_binary()
             .ok_or_else(|| ApiError::internal("the running executable is unknown"))?;
         let mut cmd = vec![bin.to_string_lossy().into_owned()];
         if self.cfg.worker_bin.is_none() && bin.file_name().is_none_or(|n| n != "sandspec-worker") {

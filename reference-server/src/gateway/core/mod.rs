@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::api::AppState;
+use crate::config::GatewayConfig;
 use crate::defects::Defect;
 use crate::domain::{
     IdKind, Process, ProcessSpec, ProcessState, QualifiedId, Sandbox, SandboxState, now,
@@ -23,7 +24,6 @@ use crate::domain::{
 use crate::sandbox::{LocalProvider, Signal};
 use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError, StoreLock};
 
-use super::config::GatewayConfig;
 use super::http::ApiResult;
 use super::model::{
     Cleanup, OperationDoc, Outcome, SessionDoc, SubmissionDoc, rfc3339, session_stream,
