@@ -1,6 +1,6 @@
 //! The clock the server keeps time by: real time plus an offset that only moves forward.
 //!
-//! Every timestamp the server writes ([`crate::domain::now`]) and every deadline it keeps as
+//! Every timestamp the server writes ([`now`]) and every deadline it keeps as
 //! an instant ([`instant`]: worker leases) is read from this clock, so retention of events,
 //! results and process output, sandbox time-outs and lease expiry all fall due by it. The
 //! offset is zero unless the test control `POST /v1/test/clock` (TC-9.12) moves it, so that
@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use time::OffsetDateTime;
 use tokio::sync::watch;
 
 /// Milliseconds added to real time.
@@ -24,6 +25,14 @@ static OFFSET_MS: AtomicU64 = AtomicU64::new(0);
 fn moved() -> &'static watch::Sender<u64> {
     static MOVED: OnceLock<watch::Sender<u64>> = OnceLock::new();
     MOVED.get_or_init(|| watch::Sender::new(0))
+}
+
+/// The current time on the clock (real time unless the test clock moved it forward, TC-9.12),
+/// truncated to whole microseconds so that it survives every store unchanged.
+pub fn now() -> OffsetDateTime {
+    let t = OffsetDateTime::now_utc() + offset();
+    t.replace_nanosecond(t.nanosecond() / 1000 * 1000)
+        .unwrap_or(t)
 }
 
 /// How far ahead of real time the clock is.

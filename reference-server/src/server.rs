@@ -23,9 +23,10 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
 
 use crate::api::{self, AppState};
+use crate::clock::now;
 use crate::config::Config;
 use crate::defects::Defect;
-use crate::domain::{OnTimeout, Sandbox, now};
+use crate::domain::{OnTimeout, Sandbox};
 use crate::sandbox::Providers;
 use crate::store::{self, Kind};
 use crate::stream::{EventLog, process_stream};

@@ -14,8 +14,8 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use time::Duration;
 
+use crate::clock::now;
 use crate::defects::Defect;
-use crate::domain::now;
 use crate::store::{IdemClaim, Kind, Record, Scope};
 
 use super::error::ApiError;

@@ -12,9 +12,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use time::Duration;
 
+use crate::clock::now;
 use crate::config::constant_time_eq;
 use crate::defects::Defect;
-use crate::domain::{IdKind, Preview, new_local_id, new_token, now};
+use crate::domain::{IdKind, Preview, new_local_id, new_token};
 use crate::store::{Kind, Record, Scope};
 
 use super::error::ApiError;

@@ -13,8 +13,9 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::clock::now;
 use crate::defects::Defect;
-use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, SandboxState, now};
+use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, SandboxState};
 use crate::sandbox::{ProviderError, Signal};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;

@@ -13,10 +13,11 @@ use serde::Deserialize;
 use serde_json::Value;
 use time::Duration;
 
+use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{
     Connection, IdKind, OnTimeout, Owner, QualifiedId, Resources, Sandbox, SandboxState,
-    new_local_id, now,
+    new_local_id,
 };
 use crate::store::{Kind, ListQuery, Record, Scope, StoreError};
 use crate::stream::process_stream;

@@ -6,7 +6,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
-use crate::domain::{IdKind, QualifiedId, SandboxState, Snapshot, now};
+use crate::clock::now;
+use crate::domain::{IdKind, QualifiedId, SandboxState, Snapshot};
 use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::error::ApiError;

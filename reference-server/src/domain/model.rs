@@ -160,11 +160,3 @@ pub struct Preview {
     #[serde(with = "time::serde::rfc3339")]
     pub expires_at: OffsetDateTime,
 }
-
-/// The current time on the server's clock (real time unless the test clock moved it forward,
-/// TC-9.12), truncated to whole microseconds so it survives every store unchanged.
-pub fn now() -> OffsetDateTime {
-    let t = OffsetDateTime::now_utc() + crate::clock::offset();
-    t.replace_nanosecond(t.nanosecond() / 1000 * 1000)
-        .unwrap_or(t)
-}

@@ -28,10 +28,11 @@ use crate::api::sandboxes::{
     validate_env, validate_metadata,
 };
 use crate::api::state::AppState;
+use crate::clock::now;
 use crate::config::Scope as Needed;
 use crate::defects::Defect;
+use crate::domain::new_token;
 use crate::domain::{IdKind, OnTimeout, Owner, QualifiedId, Resources, Sandbox, SandboxState};
-use crate::domain::{new_token, now};
 use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::ids;

@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::api::AppState;
+use crate::clock::now;
 use crate::defects::Defect;
-use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, now};
+use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId};
 use crate::sandbox::{ProviderError, Signal};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;

@@ -15,8 +15,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use crate::api::{ApiError, AppState};
+use crate::clock::now;
 use crate::defects::Defect;
-use crate::domain::now;
 use crate::store::{Kind, Record, Scope};
 
 use super::core::{Gateway, Loaded, SessionGuard, SessionRt, decode};

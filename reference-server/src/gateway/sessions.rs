@@ -12,10 +12,11 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::api::{ApiError, AppState};
+use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{
     Connection, IdKind, OnTimeout, Owner, QualifiedId, Resources, Sandbox, SandboxState,
-    new_local_id, now,
+    new_local_id,
 };
 use crate::store::{Kind, ListQuery, Record, Scope};
 

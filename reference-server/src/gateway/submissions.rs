@@ -11,8 +11,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::api::{ApiError, AppState};
+use crate::clock::now;
 use crate::defects::Defect;
-use crate::domain::now;
 use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::artifacts::ArtifactDoc;

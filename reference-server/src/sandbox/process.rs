@@ -22,7 +22,8 @@ use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::watch;
 
-use crate::domain::{ProcessSpec, ProcessState, now};
+use crate::clock::now;
+use crate::domain::{ProcessSpec, ProcessState};
 use crate::store::{Record, Scope, StoreError};
 use crate::stream::{EventLog, process_stream};
 

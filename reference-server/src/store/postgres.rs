@@ -317,7 +317,7 @@ impl Store for PostgresStore {
     }
 
     async fn append_event(&self, stream: &str, kind: &str, data: &Value) -> Result<Event> {
-        let at = crate::domain::now();
+        let at = crate::clock::now();
         // One statement, so one implicit transaction: the counter's row stays locked until the
         // event is in, and a failed insert rolls the counter back, so no number is skipped.
         // The NOTIFY is delivered when it commits, to every server process listening.
@@ -442,7 +442,7 @@ impl Store for PostgresStore {
             .bind(principal)
             .bind(key)
             .bind(request_hash)
-            .bind(micros(crate::domain::now()))
+            .bind(micros(crate::clock::now()))
             .execute(&self.pool)
             .await?;
             if inserted.rows_affected() == 1 {

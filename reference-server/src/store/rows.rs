@@ -11,7 +11,7 @@ use super::{Event, IdemClaim, Kind, ListQuery, Record, Result, Scope, StoreError
 /// The columns every record query selects, in the order [`RawRecord::from_row`] reads them.
 const RECORD_COLUMNS: &str = "kind, id, owner, parent, state, body, version, created_at, due_at";
 
-/// Microseconds since the Unix epoch: exact for every time `domain::now()` produces, and the
+/// Microseconds since the Unix epoch: exact for every time `clock::now()` produces, and the
 /// same integer in both databases.
 pub(super) fn micros(t: OffsetDateTime) -> i64 {
     i64::try_from(t.unix_timestamp_nanos().div_euclid(1000)).unwrap_or(i64::MAX)

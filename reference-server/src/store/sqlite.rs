@@ -226,7 +226,7 @@ impl Store for SqliteStore {
     }
 
     async fn append_event(&self, stream: &str, kind: &str, data: &Value) -> Result<Event> {
-        let at = crate::domain::now();
+        let at = crate::clock::now();
         let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
         let seq: i64 = sqlx::query(
             "INSERT INTO streams (stream, last_seq, purged_through) VALUES (?1, 1, 0) \
@@ -343,7 +343,7 @@ impl Store for SqliteStore {
         .bind(principal)
         .bind(key)
         .bind(request_hash)
-        .bind(micros(crate::domain::now()))
+        .bind(micros(crate::clock::now()))
         .execute(&mut *tx)
         .await?;
         let claim = if inserted.rows_affected() == 1 {

@@ -146,7 +146,7 @@ fn ids(records: &[Record]) -> Vec<&str> {
 }
 
 fn expire_never() -> OffsetDateTime {
-    crate::domain::now() - Duration::hours(1)
+    crate::clock::now() - Duration::hours(1)
 }
 
 async fn insert_all(store: &dyn Store, records: &[Record]) {
@@ -226,7 +226,7 @@ pub async fn timestamps_round_trip_exactly(store: Arc<dyn Store>) {
         datetime!(2000-02-29 12:00:00.000001 UTC),
         datetime!(2030-01-02 03:04:05.123456 +02:00),
         datetime!(9999-12-31 23:59:59.999999 UTC),
-        crate::domain::now(),
+        crate::clock::now(),
     ];
     for (i, at) in times.iter().enumerate() {
         let mut r = rec(Kind::Sandbox, &format!("sbx_{i}"), "alice", *at);
@@ -710,7 +710,7 @@ pub async fn due_returns_records_due_oldest_first(store: Arc<dyn Store>) {
 }
 
 pub async fn append_numbers_events_from_one(store: Arc<dyn Store>) {
-    let before = crate::domain::now();
+    let before = crate::clock::now();
     let mut appended = Vec::new();
     for i in 0..5 {
         let data = json!({"seq_hint": i, "text": format!("line {i}\n")});
@@ -722,7 +722,7 @@ pub async fn append_numbers_events_from_one(store: Arc<dyn Store>) {
         assert_eq!(e.stream, "prc_1");
         assert_eq!(e.data, data);
         assert!(
-            e.at >= before && e.at <= crate::domain::now(),
+            e.at >= before && e.at <= crate::clock::now(),
             "event time is the append time"
         );
         appended.push(e);
@@ -1069,7 +1069,7 @@ pub async fn idempotency_keys_expire(store: Arc<dyn Store>) {
         IdemClaim::Claimed
     );
 
-    let later = crate::domain::now() + Duration::seconds(1);
+    let later = crate::clock::now() + Duration::seconds(1);
     assert_eq!(
         store
             .idem_claim("alice", "done", "h2", later)

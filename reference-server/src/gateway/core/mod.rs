@@ -16,10 +16,11 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::api::AppState;
+use crate::clock::now;
 use crate::config::GatewayConfig;
 use crate::defects::Defect;
 use crate::domain::{
-    IdKind, Process, ProcessSpec, ProcessState, QualifiedId, Sandbox, SandboxState, now,
+    IdKind, Process, ProcessSpec, ProcessState, QualifiedId, Sandbox, SandboxState,
 };
 use crate::sandbox::{LocalProvider, Signal};
 use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError, StoreLock};

@@ -9,8 +9,9 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 
 use super::*;
+use crate::clock::now;
 use crate::config::Config;
-use crate::domain::{Process, ProcessState, now};
+use crate::domain::{Process, ProcessState};
 use crate::sandbox::FileError;
 use crate::store::{Event, Kind, Scope, SqliteStore, Store};
 use crate::stream::process_stream;
