@@ -20,12 +20,10 @@ use crate::defects::Defect;
 use crate::store::{Kind, Record, Scope};
 
 use super::core::{Gateway, Loaded, SessionGuard, SessionRt, decode};
-use super::http::{Admin, ApiResult, parse_json};
+use super::http::{Admin, ApiResult, Path, parse_json, read_body};
 use super::model::{
     ErrorBody, OperationDoc, SubmissionDoc, Usage, new_id, plausible_id, rfc3339, session_stream,
 };
-use super::routes::{PathId, PathIds};
-use super::sessions::read_body;
 use super::signing::{REVISION_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify};
 
 /// An authenticated bridge request: the raw body, not yet parsed.
@@ -176,7 +174,7 @@ pub struct TakeLease {
 pub async fn take_lease(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     Signed(req): Signed<TakeLease>,
 ) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
@@ -220,7 +218,7 @@ pub struct Generation {
 
 pub async fn heartbeat(
     Extension(gw): Extension<Arc<Gateway>>,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     Signed(req): Signed<Generation>,
 ) -> ApiResult<Response> {
     let rt = gw.rt(&sid);
@@ -264,7 +262,7 @@ pub struct NextRequest {
 pub async fn next(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     Signed(req): Signed<NextRequest>,
 ) -> ApiResult<Response> {
     let wait = match req.wait_ms {
@@ -377,7 +375,7 @@ pub struct StartOperation {
 
 pub async fn start_operation(
     Extension(gw): Extension<Arc<Gateway>>,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     Signed(req): Signed<StartOperation>,
 ) -> ApiResult<Response> {
     if req.kind != "model_call" && req.kind != "tool_call" {
@@ -447,7 +445,7 @@ pub struct CompleteOperation {
 
 pub async fn complete_operation(
     Extension(gw): Extension<Arc<Gateway>>,
-    PathIds((sid, op_id)): PathIds,
+    Path((sid, op_id)): Path<(String, String)>,
     Signed(req): Signed<CompleteOperation>,
 ) -> ApiResult<Response> {
     if !["succeeded", "failed", "cancelled"].contains(&req.state.as_str()) {
@@ -499,7 +497,7 @@ pub struct Output {
 
 pub async fn output(
     Extension(gw): Extension<Arc<Gateway>>,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     Signed(req): Signed<Output>,
 ) -> ApiResult<Response> {
     if !["assistant", "stdout", "stderr"].contains(&req.stream.as_str()) {
@@ -538,7 +536,7 @@ pub struct CompleteSubmission {
 
 pub async fn complete_submission(
     Extension(gw): Extension<Arc<Gateway>>,
-    PathIds((sid, sub_id)): PathIds,
+    Path((sid, sub_id)): Path<(String, String)>,
     Signed(req): Signed<CompleteSubmission>,
 ) -> ApiResult<Response> {
     if !["completed", "failed", "cancelled"].contains(&req.state.as_str()) {
@@ -595,7 +593,7 @@ fn truncate_utf8(s: &mut String, max: usize) {
 pub async fn kill_worker(
     Extension(gw): Extension<Arc<Gateway>>,
     _admin: Admin,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
 ) -> ApiResult<Response> {
     if !plausible_id(&sid, "ses_") || gw.session(Scope::System, &sid).await?.is_none() {
         return Err(ApiError::NotFound);
@@ -616,7 +614,7 @@ pub async fn kill_worker(
 pub async fn bridge_credentials(
     Extension(gw): Extension<Arc<Gateway>>,
     _admin: Admin,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
 ) -> ApiResult<Response> {
     if !plausible_id(&sid, "ses_") {
         return Err(ApiError::NotFound);

@@ -1,12 +1,11 @@
 //! The session event log as an SSE stream (§7) and as JSON pages, and one submission's view
 //! of it as an SSE stream.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Extension;
-use axum::extract::{RawQuery, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
@@ -17,23 +16,20 @@ use crate::store::{Kind, Scope, StoreError};
 use crate::stream::sse::{self, EventTest, Finished, Options, Subject};
 
 use super::core::Gateway;
-use super::http::{ApiResult, Caller};
+use super::http::{ApiResult, Caller, Path, QueryPairs};
+use super::lookup::{owned_session, owned_submission};
 use super::model::{SUBMISSION_TERMINAL, session_stream};
-use super::routes::{PathId, query_pairs};
-use super::sessions::owned_session;
-use super::submissions::owned_submission;
 
 pub async fn session_events(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(sid): PathId,
-    RawQuery(query): RawQuery,
+    Path(sid): Path<String>,
+    q: QueryPairs,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
-    let q = query_pairs(query.as_deref());
     let stream = session_stream(&sid);
-    if q.get("format").map(String::as_str) == Some("json") {
+    if q.get("format") == Some("json") {
         owned_session(&gw, &caller.principal, &sid).await?;
         // The JSON form takes the same cursor as the stream (SSE-7.10): a `Last-Event-ID`
         // header, checked alike, wins over `after`.
@@ -41,19 +37,12 @@ pub async fn session_events(
             Some(_) => sse::parse_cursor(&headers, None)?,
             None => None,
         };
-        return json_page(
-            &state,
-            &stream,
-            resume,
-            q.get("after").map(String::as_str),
-            q.get("limit").map(String::as_str),
-        )
-        .await;
+        return json_page(&state, &stream, resume, q.get("after"), q.get("limit")).await;
     }
     // The stream's first read of the log does not depend on the session lookup: the two run
     // at once, and the read is dropped unless the lookup finds the caller's session. A cursor
     // that does not parse is refused after the lookup, as any other bad request.
-    let (found, head) = match sse::parse_cursor(&headers, q.get("after").map(String::as_str)) {
+    let (found, head) = match sse::parse_cursor(&headers, q.get("after")) {
         Ok(cursor) => {
             let (found, head) = tokio::join!(
                 owned_session(&gw, &caller.principal, &sid),
@@ -84,12 +73,11 @@ pub async fn submission_events(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
-    RawQuery(query): RawQuery,
+    Path(id): Path<String>,
+    q: QueryPairs,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
-    let q = query_pairs(query.as_deref());
     let sid = doc.session_id;
     let defects = &state.config.defects;
     let subject = if defects.has(Defect::SubmissionStreamNeverEnds) {
@@ -186,11 +174,11 @@ async fn sse_response(
     state: &AppState,
     caller: &Caller,
     headers: &HeaderMap,
-    q: &BTreeMap<String, String>,
+    q: &QueryPairs,
     subject: Subject,
 ) -> ApiResult<Response> {
     sse::check_accept(headers)?;
-    let cursor = sse::parse_cursor(headers, q.get("after").map(String::as_str))?;
+    let cursor = sse::parse_cursor(headers, q.get("after"))?;
     let limits = &state.config.limits;
     let slot = state
         .streams

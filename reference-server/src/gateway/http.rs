@@ -1,7 +1,8 @@
 //! What the gateway's handlers need from HTTP, shared with `api` rule for rule: its errors (one
-//! mapping to problem bodies, in `api::error`), the caller, the admin, strict JSON, idempotent
-//! creation and pages.
+//! mapping to problem bodies, in `api::error`), the caller, the admin, path parameters, query
+//! strings, bodies, strict JSON, idempotent creation and pages.
 
+use axum::body::Body;
 use axum::http::HeaderMap;
 use serde::de::DeserializeOwned;
 
@@ -9,7 +10,9 @@ use crate::api::{ApiError, AppState};
 
 pub(crate) use crate::api::error::ApiResult;
 
-pub(crate) use crate::api::extract::{Admin, Caller, idempotency_key, parse_json};
+pub(crate) use crate::api::extract::{
+    Admin, Caller, Path, QueryPairs, idempotency_key, parse_json,
+};
 pub(crate) use crate::api::idempotency::{Created, IdemRequest, run as idempotent};
 pub(crate) use crate::api::pagination::PageRequest;
 
@@ -26,4 +29,22 @@ pub fn json_body<T: DeserializeOwned>(
         return Err(ApiError::PayloadTooLarge);
     }
     parse_json(raw)
+}
+
+/// Reads a body of at most `limit` bytes (413 beyond).
+pub async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<bytes::Bytes, ApiError> {
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::PayloadTooLarge);
+    }
+    axum::body::to_bytes(body, usize::try_from(limit).unwrap_or(usize::MAX))
+        .await
+        .map_err(|_| ApiError::PayloadTooLarge)
 }

@@ -11,6 +11,9 @@
 //!   (`launcher`), the supervisor (`supervisor`) and the delete and cleanup state machine
 //!   (`cleanup`).
 //! - `sessions`, `submissions`, `events`: the `/v1` handlers.
+//! - `http`: what the handlers share with `api` (extractors, bodies, idempotent creation,
+//!   pages); `lookup`: the caller's sessions, submissions, operations and artifacts by ID.
+//! - `routes`: the route table of all of the above.
 //! - `bridge`: the private bridge and the session test controls.
 //! - [`signing`]: the bridge signature, shared with the worker.
 //! - `worker` (private; entered through `cli::worker_main`): the worker runtime that
@@ -28,6 +31,7 @@ mod bridge;
 mod core;
 mod events;
 mod http;
+mod lookup;
 mod model;
 mod routes;
 mod sessions;

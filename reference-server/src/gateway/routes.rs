@@ -3,87 +3,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::FromRequestParts;
-use axum::http::request::Parts;
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 
-use crate::api::{ApiError, AppState};
+use crate::api::AppState;
 
 use super::core::Gateway;
 use super::{bridge, events, sessions, submissions};
-
-/// One path parameter; undecodable is 404 like any unknown ID.
-pub struct PathId(pub String);
-
-impl<S: Send + Sync> FromRequestParts<S> for PathId {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        axum::extract::Path::<String>::from_request_parts(parts, state)
-            .await
-            .map(|p| PathId(p.0))
-            .map_err(|_| ApiError::NotFound)
-    }
-}
-
-/// Two path parameters.
-pub struct PathIds(pub (String, String));
-
-impl<S: Send + Sync> FromRequestParts<S> for PathIds {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        axum::extract::Path::<(String, String)>::from_request_parts(parts, state)
-            .await
-            .map(|p| PathIds(p.0))
-            .map_err(|_| ApiError::NotFound)
-    }
-}
-
-/// The decoded query string; the first value of each key wins.
-pub fn query_pairs(raw: Option<&str>) -> std::collections::BTreeMap<String, String> {
-    let mut out = std::collections::BTreeMap::new();
-    for (k, v) in url_pairs(raw.unwrap_or("")) {
-        out.entry(k).or_insert(v);
-    }
-    out
-}
-
-fn url_pairs(raw: &str) -> Vec<(String, String)> {
-    raw.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (decode(k), decode(v))
-        })
-        .collect()
-}
-
-fn decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                let hex = |b: u8| (b as char).to_digit(16);
-                match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                    (Some(h), Some(l)) => {
-                        out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
-                        i += 3;
-                        continue;
-                    }
-                    _ => out.push(b'%'),
-                }
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
 
 /// The gateway's routes, carrying the gateway itself as an extension. Starts the supervisor
 /// (when called inside a runtime); it stops at the server's shutdown.

@@ -22,9 +22,11 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::core::{Gateway, Loaded};
 use super::http::{
-    ApiResult, Caller, Created, IdemRequest, PageRequest, idempotency_key, idempotent, json_body,
+    ApiResult, Caller, Created, IdemRequest, PageRequest, Path, QueryPairs, idempotency_key,
+    idempotent, json_body, read_body,
 };
-use super::model::{Agent, Cleanup, SessionDoc, new_id, plausible_id};
+use super::lookup::owned_session;
+use super::model::{Agent, Cleanup, SessionDoc, new_id};
 use super::signing::new_secret;
 
 const TEMPLATE: &str = "base";
@@ -71,24 +73,6 @@ struct CreateSandboxReq {
 struct ResourceReq {
     cpu: Option<f64>,
     memory_mb: Option<u64>,
-}
-
-/// Reads a body of at most `limit` bytes (413 beyond).
-pub async fn read_body(
-    headers: &HeaderMap,
-    body: Body,
-    limit: u64,
-) -> Result<bytes::Bytes, ApiError> {
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(ApiError::PayloadTooLarge);
-    }
-    axum::body::to_bytes(body, usize::try_from(limit).unwrap_or(usize::MAX))
-        .await
-        .map_err(|_| ApiError::PayloadTooLarge)
 }
 
 fn validate_metadata(metadata: &BTreeMap<String, String>, param: &str) -> ApiResult<()> {
@@ -503,20 +487,10 @@ async fn create_session(
     })
 }
 
-/// The caller's session, or 404 (malformed, unknown and foreign alike).
-pub async fn owned_session(gw: &Gateway, principal: &str, sid: &str) -> ApiResult<Loaded> {
-    if !plausible_id(sid, "ses_") {
-        return Err(ApiError::NotFound);
-    }
-    gw.session(Scope::Owner(principal), sid)
-        .await?
-        .ok_or(ApiError::NotFound)
-}
-
 pub async fn get(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
+    Path(sid): Path<String>,
 ) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     Ok(axum::Json(gw.session_view(&loaded).await?).into_response())
@@ -526,10 +500,9 @@ pub async fn list(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    query: axum::extract::RawQuery,
+    q: QueryPairs,
 ) -> ApiResult<Response> {
-    let q = crate::gateway::routes::query_pairs(query.0.as_deref());
-    let filter = match q.get("state").map(String::as_str) {
+    let filter = match q.get("state") {
         None => None,
         Some(s @ ("active" | "paused" | "deleting")) => Some(s.to_owned()),
         Some(_) => {
@@ -539,10 +512,9 @@ pub async fn list(
             ));
         }
     };
-    let page = PageRequest::from_parts(
+    let page = PageRequest::parse(
         &state,
-        q.get("limit").map(String::as_str),
-        q.get("page_token").map(String::as_str),
+        &q,
         &caller.principal,
         format!("sessions state={}", filter.as_deref().unwrap_or("")),
     )?;
@@ -574,7 +546,7 @@ pub async fn list(
 pub async fn delete(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
+    Path(sid): Path<String>,
 ) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
@@ -620,7 +592,7 @@ pub async fn delete(
 pub async fn resume(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
+    Path(sid): Path<String>,
 ) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
     let rt = gw.rt(&sid);
@@ -648,14 +620,13 @@ pub async fn upload(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    crate::gateway::routes::PathId(sid): crate::gateway::routes::PathId,
-    axum::extract::RawQuery(query): axum::extract::RawQuery,
+    Path(sid): Path<String>,
+    q: QueryPairs,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<Response> {
     let loaded = owned_session(&gw, &caller.principal, &sid).await?;
-    let q = crate::gateway::routes::query_pairs(query.as_deref());
-    let path = q.get("path").cloned().unwrap_or_default();
+    let path = q.get("path").unwrap_or_default().to_owned();
     if path.is_empty() {
         return Err(ApiError::invalid("path", "path is required"));
     }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use axum::Extension;
 use axum::body::Body;
-use axum::extract::{RawQuery, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -18,11 +18,11 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 use super::artifacts::ArtifactDoc;
 use super::core::{Gateway, decode};
 use super::http::{
-    ApiResult, Caller, Created, IdemRequest, PageRequest, idempotency_key, idempotent, json_body,
+    ApiResult, Caller, Created, IdemRequest, PageRequest, Path, QueryPairs, idempotency_key,
+    idempotent, json_body, read_body,
 };
-use super::model::{OperationDoc, SubmissionDoc, new_id, plausible_id};
-use super::routes::{PathId, query_pairs};
-use super::sessions::{owned_session, read_body};
+use super::lookup::{owned_artifact, owned_operation, owned_session, owned_submission};
+use super::model::{OperationDoc, SubmissionDoc, new_id};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -34,7 +34,7 @@ pub async fn submit(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(sid): PathId,
+    Path(sid): Path<String>,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<Response> {
@@ -156,40 +156,10 @@ async fn enqueue(gw: Arc<Gateway>, sid: String, input: String) -> ApiResult<Crea
     Ok(created)
 }
 
-/// The caller's object of `kind` whose IDs start with `prefix`, decoded, or 404.
-async fn owned<T: serde::de::DeserializeOwned>(
-    gw: &Gateway,
-    kind: Kind,
-    prefix: &str,
-    principal: &str,
-    id: &str,
-) -> ApiResult<(Record, T)> {
-    if !plausible_id(id, prefix) {
-        return Err(ApiError::NotFound);
-    }
-    let rec = gw
-        .state
-        .store
-        .get(kind, Scope::Owner(principal), id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
-    let doc = decode(&rec)?;
-    Ok((rec, doc))
-}
-
-/// The caller's submission, or 404.
-pub(super) async fn owned_submission(
-    gw: &Gateway,
-    principal: &str,
-    id: &str,
-) -> ApiResult<(Record, SubmissionDoc)> {
-    owned(gw, Kind::Submission, "sub_", principal, id).await
-}
-
 pub async fn get(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     Ok(axum::Json(gw.submission_view(&doc).await?).into_response())
@@ -211,22 +181,20 @@ pub async fn list(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(sid): PathId,
-    RawQuery(query): RawQuery,
+    Path(sid): Path<String>,
+    q: QueryPairs,
 ) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
-    let q = query_pairs(query.as_deref());
-    let filter = q.get("state").cloned();
+    let filter = q.get("state").map(str::to_owned);
     if filter
         .as_deref()
         .is_some_and(|s| !SUBMISSION_STATES.contains(&s))
     {
         return Err(ApiError::invalid("state", "unknown submission state"));
     }
-    let page = PageRequest::from_parts(
+    let page = PageRequest::parse(
         &state,
-        q.get("limit").map(String::as_str),
-        q.get("page_token").map(String::as_str),
+        &q,
         &caller.principal,
         format!(
             "submissions session={sid} state={}",
@@ -254,7 +222,7 @@ pub async fn list(
 pub async fn cancel(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     let sid = doc.session_id.clone();
@@ -314,7 +282,7 @@ pub async fn result(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_submission(&gw, &caller.principal, &id).await?;
     if !doc.is_terminal() {
@@ -339,16 +307,14 @@ pub async fn list_artifacts(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(sid): PathId,
-    RawQuery(query): RawQuery,
+    Path(sid): Path<String>,
+    q: QueryPairs,
 ) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
-    let q = query_pairs(query.as_deref());
-    let submission = q.get("submission_id").cloned();
-    let page = PageRequest::from_parts(
+    let submission = q.get("submission_id").map(str::to_owned);
+    let page = PageRequest::parse(
         &state,
-        q.get("limit").map(String::as_str),
-        q.get("page_token").map(String::as_str),
+        &q,
         &caller.principal,
         format!(
             "artifacts session={sid} submission={}",
@@ -378,18 +344,9 @@ pub async fn artifact_content(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
-    if !plausible_id(&id, "art_") {
-        return Err(ApiError::NotFound);
-    }
-    let rec = gw
-        .state
-        .store
-        .get(Kind::Artifact, Scope::Owner(&caller.principal), &id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
-    let art: ArtifactDoc = decode(&rec)?;
+    let (_, art) = owned_artifact(&gw, &caller.principal, &id).await?;
     if now() >= art.expires_at && !state.config.defects.has(Defect::ResultNeverExpires) {
         return Err(ApiError::ArtifactExpired);
     }
@@ -421,35 +378,25 @@ pub async fn artifact_content(
         .into_response())
 }
 
-async fn owned_operation(
-    gw: &Gateway,
-    principal: &str,
-    id: &str,
-) -> ApiResult<(Record, OperationDoc)> {
-    owned(gw, Kind::Operation, "op_", principal, id).await
-}
-
 pub async fn list_operations(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(sid): PathId,
-    RawQuery(query): RawQuery,
+    Path(sid): Path<String>,
+    q: QueryPairs,
 ) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
-    let q = query_pairs(query.as_deref());
-    let filter = q.get("state").cloned();
+    let filter = q.get("state").map(str::to_owned);
     if filter
         .as_deref()
         .is_some_and(|s| !OPERATION_STATES.contains(&s))
     {
         return Err(ApiError::invalid("state", "unknown operation state"));
     }
-    let submission = q.get("submission_id").cloned();
-    let page = PageRequest::from_parts(
+    let submission = q.get("submission_id").map(str::to_owned);
+    let page = PageRequest::parse(
         &state,
-        q.get("limit").map(String::as_str),
-        q.get("page_token").map(String::as_str),
+        &q,
         &caller.principal,
         format!(
             "operations session={sid} state={} submission={}",
@@ -481,7 +428,7 @@ pub async fn list_operations(
 pub async fn get_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_operation(&gw, &caller.principal, &id).await?;
     Ok(axum::Json(doc.view()).into_response())
@@ -490,7 +437,7 @@ pub async fn get_operation(
 pub async fn cancel_operation(
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
-    PathId(id): PathId,
+    Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let (_, doc) = owned_operation(&gw, &caller.principal, &id).await?;
     let rt = gw.rt(&doc.session_id);
