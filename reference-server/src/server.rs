@@ -30,6 +30,17 @@ use crate::domain::{OnTimeout, Sandbox};
 use crate::sandbox::Providers;
 use crate::store::{self, Kind};
 use crate::stream::{EventLog, process_stream};
+use crate::{e2b, gateway};
+
+/// The server's whole route table, put together from its areas: API v1 and the previews
+/// (`api`), the Agents Sessions gateway with its private bridge (`gateway`) and E2B's protocol
+/// (`e2b`), answering as one server (`api::shared_handling`). Starts the gateway's supervisor.
+pub fn router(state: AppState) -> Router {
+    let routes = api::routes()
+        .merge(gateway::routes(&state))
+        .merge(e2b::routes());
+    api::shared_handling(routes, state)
+}
 
 /// How long shutdown waits for open connections to finish their current response.
 const DRAIN: Duration = Duration::from_secs(5);
@@ -182,7 +193,7 @@ impl Server {
             tls,
             _lock,
         } = self;
-        let router = api::router(state.clone());
+        let router = router(state.clone());
         let stop = state.shutdown.clone();
         let reaper = tokio::spawn(reap_forever(state.clone()));
         let mut connections = JoinSet::new();

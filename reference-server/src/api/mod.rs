@@ -20,6 +20,6 @@ pub(crate) mod state;
 
 pub use error::{ApiError, Problem};
 pub use request_id::RequestId;
-pub use routes::router;
+pub use routes::{routes, shared_handling};
 pub use sandboxes::{destroy as destroy_sandbox, pause_sandbox};
 pub use state::{AppState, Inner};

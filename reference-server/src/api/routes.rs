@@ -1,5 +1,6 @@
-//! The route table: every operation of API v1 and the preview proxy, with the request-id,
-//! panic and fallback handling around them.
+//! The route table of API v1 and the preview proxy, and the handling every route of the server
+//! shares: request IDs, panics, unknown routes and methods. `server::router` puts the server's
+//! areas together inside it.
 
 use axum::Router;
 use axum::middleware;
@@ -11,11 +12,8 @@ use super::error::ApiError;
 use super::state::AppState;
 use super::{files, meta, previews, processes, request_id, sandboxes, snapshots};
 
-pub fn router(state: AppState) -> Router {
-    let outage_is_500 = state
-        .config
-        .defects
-        .has(crate::defects::Defect::StoreOutageIs500);
+/// Every operation of API v1 under `/v1`, and the preview proxy.
+pub fn routes() -> Router<AppState> {
     let v1 = Router::new()
         .route("/health", get(meta::health))
         .route("/capabilities", get(meta::capabilities))
@@ -67,13 +65,21 @@ pub fn router(state: AppState) -> Router {
             "/test/providers/{name}/next_local_id",
             post(meta::next_local_id),
         );
-    let router = Router::new()
+    Router::new()
         .nest("/v1", v1)
         .route("/previews/{id}", any(previews::proxy_root))
         .route("/previews/{id}/", any(previews::proxy_root))
         .route("/previews/{id}/{*rest}", any(previews::proxy))
-        .merge(crate::gateway::routes(&state))
-        .merge(crate::e2b::routes())
+}
+
+/// `routes` answering as one server: a problem body for an unknown route or method and for a
+/// handler that panics, an `X-Request-Id` on every response.
+pub fn shared_handling(routes: Router<AppState>, state: AppState) -> Router {
+    let outage_is_500 = state
+        .config
+        .defects
+        .has(crate::defects::Defect::StoreOutageIs500);
+    let router = routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
