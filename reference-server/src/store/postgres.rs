@@ -15,7 +15,7 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
 use super::rows::{
-    RawEvent, RawIdem, RawRecord, RawStream, Snapshot, json_text, list_query, micros,
+    RawEvent, RawIdem, RawRecord, RawStream, Snapshot, decode_key, json_text, list_query, micros,
 };
 use super::{
     Event, ForeignAppend, IdemClaim, Kind, ListQuery, Record, Result, Scope, SlotClaim, Store,
@@ -540,7 +540,7 @@ impl Store for PostgresStore {
             .fetch_one(&self.pool)
             .await?
             .try_get(0)?;
-        super::decode_key(&value)
+        decode_key(&value)
     }
 
     fn foreign_appends(&self) -> Option<broadcast::Receiver<ForeignAppend>> {

@@ -343,6 +343,14 @@ pub(super) fn canonical_json(v: &Value, out: &mut String) {
     }
 }
 
+/// A stored shared key (hex) back to bytes.
+pub(super) fn decode_key(hex_value: &str) -> Result<[u8; 32]> {
+    hex::decode(hex_value)
+        .ok()
+        .and_then(|v| <[u8; 32]>::try_from(v).ok())
+        .ok_or_else(|| StoreError::Corrupt("a shared key is not 32 bytes of hex".into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ use sqlx::{Connection as _, Row as _, SqlSafeStr as _};
 use time::OffsetDateTime;
 
 use super::rows::{
-    RawEvent, RawIdem, RawRecord, RawStream, Snapshot, json_text, list_query, micros,
+    RawEvent, RawIdem, RawRecord, RawStream, Snapshot, decode_key, json_text, list_query, micros,
 };
 use super::{
     Event, IdemClaim, Kind, ListQuery, Record, Result, Scope, Store, StoreError, StoreLock,
@@ -448,7 +448,7 @@ impl Store for SqliteStore {
             .fetch_one(&self.pool)
             .await?
             .try_get(0)?;
-        super::decode_key(&value)
+        decode_key(&value)
     }
 }
 
