@@ -13,6 +13,7 @@
 mod model;
 mod postgres;
 mod rows;
+mod sql;
 mod sqlite;
 pub mod suite;
 

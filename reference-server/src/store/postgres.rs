@@ -8,19 +8,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::Value;
-use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{Connection as _, Row as _, SqlSafeStr as _};
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnection, PgListener, PgPool, PgPoolOptions, PgQueryResult, Postgres};
+use sqlx::{Connection as _, Row as _};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-use super::rows::{
-    RawEvent, RawIdem, RawRecord, RawStream, Snapshot, decode_key, json_text, list_query, micros,
-};
-use super::{
-    Event, ForeignAppend, IdemClaim, Kind, ListQuery, Record, Result, Scope, SlotClaim, Store,
-    StoreError, StoreLock, StreamBounds,
-};
+use super::rows::{RawIdem, json_text, micros};
+use super::sql::{self, SqlStore};
+use super::{ForeignAppend, IdemClaim, Result, SlotClaim, StoreError, StoreLock};
 
 /// How long a request waits for a connection. While the database is down, every request
 /// fails after this long with `Unavailable` (a 503), so it is short.
@@ -143,27 +139,21 @@ async fn listen_appends(pool: PgPool, instance: String, tx: broadcast::Sender<Fo
 fn migrator() -> Migrator {
     // The migrator holds an advisory lock while it runs, so server processes that start
     // together migrate once.
-    Migrator::with_migrations(vec![
-        Migration::new(
+    sql::migrator(&[
+        (
             1,
-            "initial".into(),
-            MigrationType::Simple,
-            include_str!("../../migrations/postgres/0001_initial.sql").into_sql_str(),
-            false,
+            "initial",
+            include_str!("../../migrations/postgres/0001_initial.sql"),
         ),
-        Migration::new(
+        (
             2,
-            "server keys".into(),
-            MigrationType::Simple,
-            include_str!("../../migrations/postgres/0002_server_keys.sql").into_sql_str(),
-            false,
+            "server keys",
+            include_str!("../../migrations/postgres/0002_server_keys.sql"),
         ),
-        Migration::new(
+        (
             3,
-            "stream slots".into(),
-            MigrationType::Simple,
-            include_str!("../../migrations/postgres/0003_stream_slots.sql").into_sql_str(),
-            false,
+            "stream slots",
+            include_str!("../../migrations/postgres/0003_stream_slots.sql"),
         ),
     ])
 }
@@ -210,114 +200,33 @@ impl PostgresStore {
 }
 
 #[async_trait]
-impl Store for PostgresStore {
-    async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
+impl SqlStore for PostgresStore {
+    type DB = Postgres;
+
+    const GET: &'static str = "SELECT kind, id, owner, parent, state, body, version, created_at, due_at \
+         FROM records WHERE kind = $1 AND id = $2 AND ($3::text IS NULL OR owner = $3)";
+    const PURGE: &'static str = "UPDATE streams SET purged_through = GREATEST(purged_through, LEAST($2, last_seq)) \
+         WHERE stream = $1 RETURNING purged_through";
+    /// Row locks make each write safe against other server processes.
+    const BEGIN_WRITE: &'static str = "BEGIN";
+    const BEGIN_SNAPSHOT: &'static str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+    const TAKEOVER_GRACE: Duration = TAKEOVER_GRACE;
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
-    async fn insert(&self, rec: &Record) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO records (kind, id, owner, parent, state, body, version, created_at, due_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8)",
-        )
-        .bind(rec.kind.as_str())
-        .bind(&rec.id)
-        .bind(&rec.owner)
-        .bind(&rec.parent)
-        .bind(&rec.state)
-        .bind(json_text(&rec.body))
-        .bind(micros(rec.created_at))
-        .bind(rec.due_at.map(micros))
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
     }
 
-    async fn get(&self, kind: Kind, scope: Scope<'_>, id: &str) -> Result<Option<Record>> {
-        let owner = match scope {
-            Scope::Owner(owner) => Some(owner),
-            Scope::System => None,
-        };
-        let row = sqlx::query(
-            "SELECT kind, id, owner, parent, state, body, version, created_at, due_at FROM records \
-             WHERE kind = $1 AND id = $2 AND ($3::text IS NULL OR owner = $3)",
-        )
-        .bind(kind.as_str())
-        .bind(id)
-        .bind(owner)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.map(|r| RawRecord::from_row(&r)?.into_record())
-            .transpose()
-    }
-
-    async fn update(&self, rec: &Record) -> Result<Record> {
-        let row = sqlx::query(
-            "UPDATE records SET parent = $3, state = $4, body = $5, due_at = $6, version = version + 1 \
-             WHERE kind = $1 AND id = $2 AND version = $7 \
-             RETURNING kind, id, owner, parent, state, body, version, created_at, due_at",
-        )
-        .bind(rec.kind.as_str())
-        .bind(&rec.id)
-        .bind(&rec.parent)
-        .bind(&rec.state)
-        .bind(json_text(&rec.body))
-        .bind(rec.due_at.map(micros))
-        .bind(rec.version)
-        .fetch_optional(&self.pool)
-        .await?;
-        if let Some(row) = row {
-            return RawRecord::from_row(&row)?.into_record();
-        }
-        let exists = sqlx::query("SELECT 1 FROM records WHERE kind = $1 AND id = $2")
-            .bind(rec.kind.as_str())
-            .bind(&rec.id)
-            .fetch_optional(&self.pool)
-            .await?;
-        Err(if exists.is_some() {
-            StoreError::Conflict
-        } else {
-            StoreError::NotFound
-        })
-    }
-
-    async fn delete(&self, kind: Kind, id: &str) -> Result<bool> {
-        let done = sqlx::query("DELETE FROM records WHERE kind = $1 AND id = $2")
-            .bind(kind.as_str())
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() > 0)
-    }
-
-    async fn list(&self, q: &ListQuery<'_>) -> Result<Vec<Record>> {
-        let rows = list_query::<sqlx::Postgres>(q)
-            .build()
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|r| RawRecord::from_row(r)?.into_record())
-            .collect()
-    }
-
-    async fn due(&self, kind: Kind, now: OffsetDateTime, limit: u32) -> Result<Vec<Record>> {
-        let rows = sqlx::query(
-            "SELECT kind, id, owner, parent, state, body, version, created_at, due_at FROM records \
-             WHERE kind = $1 AND due_at IS NOT NULL AND due_at <= $2 ORDER BY due_at, id LIMIT $3",
-        )
-        .bind(kind.as_str())
-        .bind(micros(now))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| RawRecord::from_row(r)?.into_record())
-            .collect()
-    }
-
-    async fn append_event(&self, stream: &str, kind: &str, data: &Value) -> Result<Event> {
-        let at = crate::clock::now();
+    async fn append(
+        &self,
+        stream: &str,
+        kind: &str,
+        data: &Value,
+        at: OffsetDateTime,
+    ) -> Result<i64> {
         // One statement, so one implicit transaction: the counter's row stays locked until the
         // event is in, and a failed insert rolls the counter back, so no number is skipped.
         // The NOTIFY is delivered when it commits, to every server process listening.
@@ -340,88 +249,10 @@ impl Store for PostgresStore {
         .fetch_one(&self.pool)
         .await?
         .try_get(0)?;
-        Ok(Event {
-            stream: stream.to_owned(),
-            seq,
-            kind: kind.to_owned(),
-            data: data.clone(),
-            at,
-        })
+        Ok(seq)
     }
 
-    async fn events_after(&self, stream: &str, after: i64, limit: u32) -> Result<Vec<Event>> {
-        let rows = sqlx::query(
-            "SELECT stream, seq, kind, data, at FROM events WHERE stream = $1 AND seq > $2 \
-             ORDER BY seq LIMIT $3",
-        )
-        .bind(stream)
-        .bind(after)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| RawEvent::from_row(r)?.into_event())
-            .collect()
-    }
-
-    async fn stream_bounds(&self, stream: &str) -> Result<StreamBounds> {
-        let row =
-            sqlx::query("SELECT stream, last_seq, purged_through FROM streams WHERE stream = $1")
-                .bind(stream)
-                .fetch_optional(&self.pool)
-                .await?;
-        Ok(match row {
-            Some(row) => {
-                let s = RawStream::from_row(&row)?;
-                StreamBounds {
-                    last_seq: s.last_seq,
-                    purged_through: s.purged_through,
-                }
-            }
-            None => StreamBounds::default(),
-        })
-    }
-
-    async fn purge_events(&self, stream: &str, through: i64) -> Result<()> {
-        // Two statements: the DELETE takes its snapshot after the UPDATE has waited for any
-        // append holding the stream's row, so it sees that append's event too.
-        let mut tx = self.pool.begin().await?;
-        let purged: Option<i64> = sqlx::query(
-            "UPDATE streams SET purged_through = GREATEST(purged_through, LEAST($2, last_seq)) \
-             WHERE stream = $1 RETURNING purged_through",
-        )
-        .bind(stream)
-        .bind(through)
-        .fetch_optional(&mut *tx)
-        .await?
-        .map(|row| row.try_get(0))
-        .transpose()?;
-        if let Some(purged) = purged {
-            sqlx::query("DELETE FROM events WHERE stream = $1 AND seq <= $2")
-                .bind(stream)
-                .bind(purged)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn drop_stream(&self, stream: &str) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("DELETE FROM streams WHERE stream = $1")
-            .bind(stream)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("DELETE FROM events WHERE stream = $1")
-            .bind(stream)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn idem_claim(
+    async fn claim_key(
         &self,
         principal: &str,
         key: &str,
@@ -465,37 +296,11 @@ impl Store for PostgresStore {
         ))
     }
 
-    async fn idem_complete(
-        &self,
-        principal: &str,
-        key: &str,
-        status: u16,
-        resource_id: &str,
-    ) -> Result<()> {
-        sqlx::query("UPDATE idempotency SET status = $3, resource_id = $4 WHERE principal = $1 AND key = $2")
-            .bind(principal)
-            .bind(key)
-            .bind(i32::from(status))
-            .bind(resource_id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    async fn idem_release(&self, principal: &str, key: &str) -> Result<()> {
-        sqlx::query("DELETE FROM idempotency WHERE principal = $1 AND key = $2 AND status IS NULL")
-            .bind(principal)
-            .bind(key)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    fn instance(&self) -> &str {
+    fn instance_id(&self) -> &str {
         &self.instance
     }
 
-    async fn instance_alive(&self, instance: &str) -> Result<bool> {
+    async fn is_alive(&self, instance: &str) -> Result<bool> {
         if instance == self.instance {
             return Ok(true);
         }
@@ -516,11 +321,7 @@ impl Store for PostgresStore {
         Ok(held)
     }
 
-    fn takeover_grace(&self) -> Duration {
-        TAKEOVER_GRACE
-    }
-
-    async fn lock(&self, key: &str) -> Result<StoreLock> {
+    async fn take_lock(&self, key: &str) -> Result<StoreLock> {
         let mut tx = self.pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
             .bind(key)
@@ -529,25 +330,11 @@ impl Store for PostgresStore {
         Ok(StoreLock::held(tx))
     }
 
-    async fn shared_key(&self, name: &str, fresh: [u8; 32]) -> Result<[u8; 32]> {
-        sqlx::query("INSERT INTO server_keys (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-            .bind(name)
-            .bind(hex::encode(fresh))
-            .execute(&self.pool)
-            .await?;
-        let value: String = sqlx::query("SELECT value FROM server_keys WHERE name = $1")
-            .bind(name)
-            .fetch_one(&self.pool)
-            .await?
-            .try_get(0)?;
-        decode_key(&value)
-    }
-
-    fn foreign_appends(&self) -> Option<broadcast::Receiver<ForeignAppend>> {
+    fn others_appends(&self) -> Option<broadcast::Receiver<ForeignAppend>> {
         Some(self.appends.subscribe())
     }
 
-    async fn claim_stream_slot(&self, principal: &str, limit: u32) -> Result<SlotClaim> {
+    async fn claim_slot(&self, principal: &str, limit: u32) -> Result<SlotClaim> {
         let mut tx = self.pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('stream_slots:' || $1, 0))")
             .bind(principal)
@@ -586,50 +373,11 @@ impl Store for PostgresStore {
         Ok(SlotClaim::Held(id))
     }
 
-    async fn release_stream_slot(&self, id: &str) -> Result<()> {
+    async fn release_slot(&self, id: &str) -> Result<()> {
         sqlx::query("DELETE FROM stream_slots WHERE id = $1")
             .bind(id)
             .execute(&self.pool)
             .await?;
         Ok(())
-    }
-
-    async fn digest(&self) -> Result<String> {
-        // One snapshot of all four tables, even while other processes write.
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            .await?;
-        let mut snap = Snapshot::default();
-        for row in sqlx::query(
-            "SELECT kind, id, owner, parent, state, body, version, created_at, due_at FROM records",
-        )
-        .fetch_all(&mut *tx)
-        .await?
-        {
-            snap.records.push(RawRecord::from_row(&row)?);
-        }
-        for row in sqlx::query("SELECT stream, seq, kind, data, at FROM events")
-            .fetch_all(&mut *tx)
-            .await?
-        {
-            snap.events.push(RawEvent::from_row(&row)?);
-        }
-        for row in sqlx::query("SELECT stream, last_seq, purged_through FROM streams")
-            .fetch_all(&mut *tx)
-            .await?
-        {
-            snap.streams.push(RawStream::from_row(&row)?);
-        }
-        for row in sqlx::query(
-            "SELECT principal, key, request_hash, status, resource_id, created_at FROM idempotency",
-        )
-        .fetch_all(&mut *tx)
-        .await?
-        {
-            snap.idempotency.push(RawIdem::from_row(&row)?);
-        }
-        tx.commit().await?;
-        snap.digest()
     }
 }
