@@ -15,6 +15,7 @@ mod postgres;
 mod rows;
 mod sql;
 mod sqlite;
+#[cfg(feature = "store-suite")]
 pub mod suite;
 
 use std::sync::Arc;
