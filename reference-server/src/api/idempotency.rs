@@ -63,8 +63,22 @@ pub struct IdemRequest<'a> {
     pub body: &'a [u8],
 }
 
-/// An idempotent `POST` to `path` that creates one record of `kind`: [`run`], with a replay
-/// that answers the record's current state as the caller sees it, rendered by `view`.
+impl<'a> IdemRequest<'a> {
+    /// A `POST` to `path` by `principal`, with its `Idempotency-Key` (if any) and body.
+    pub fn post(principal: &'a str, path: &'a str, key: Option<String>, body: &'a [u8]) -> Self {
+        Self {
+            principal,
+            method: "POST",
+            path,
+            key,
+            body,
+        }
+    }
+}
+
+/// An idempotent `POST` that creates one record of `kind`: [`run`] with `create`, whose record
+/// is answered 201 with `view` of it, and a replay that answers `view` of the record as the
+/// caller sees it now.
 pub async fn run_create<C, CF, V>(
     state: &AppState,
     req: IdemRequest<'_>,
@@ -74,9 +88,18 @@ pub async fn run_create<C, CF, V>(
 ) -> Result<Response, ApiError>
 where
     C: FnOnce() -> CF,
-    CF: Future<Output = Result<Created, ApiError>> + Send + 'static,
-    V: Fn(&Record) -> Result<Value, ApiError>,
+    CF: Future<Output = Result<Record, ApiError>> + Send + 'static,
+    V: Fn(&Record) -> Result<Value, ApiError> + Clone + Send + 'static,
 {
+    let created_view = view.clone();
+    let create = move || {
+        let creating = create();
+        async move {
+            let rec = creating.await?;
+            let body = created_view(&rec)?;
+            Ok(Created::new(StatusCode::CREATED, rec.id, body))
+        }
+    };
     let replay_state = state.clone();
     let principal = req.principal.to_owned();
     let replay = move |id: String| async move {

@@ -6,7 +6,7 @@
 
 use axum::body::Body;
 use axum::extract::{OriginalUri, Request, State};
-use axum::http::{HeaderMap, HeaderName, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderName, Uri, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -20,7 +20,7 @@ use crate::store::{Kind, Record, Scope};
 
 use super::error::ApiError;
 use super::extract::{Caller, IdempotencyKey, Json, Path, QueryPairs, percent_decode};
-use super::idempotency::{self, Created, IdemRequest};
+use super::idempotency::{self, IdemRequest};
 use super::lookup;
 use super::state::AppState;
 
@@ -84,7 +84,6 @@ pub async fn create(
     let base = base_url(&state, &headers);
     let task_state = state.clone();
     let principal = caller.principal.clone();
-    let task_base = base.clone();
     let create = move || async move {
         let state = task_state;
         let created_at = now();
@@ -107,20 +106,9 @@ pub async fn create(
             due_at: Some(preview.expires_at),
         };
         state.store.insert(&rec).await?;
-        Ok(Created {
-            status: StatusCode::CREATED,
-            resource_id: rec.id.clone(),
-            body: view(&task_base, &rec)?,
-            headers: Vec::new(),
-        })
+        Ok(rec)
     };
-    let idem = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &body.raw,
-    };
+    let idem = IdemRequest::post(&caller.principal, uri.path(), key, &body.raw);
     idempotency::run_create(&state, idem, Kind::Preview, move |r| view(&base, r), create).await
 }
 

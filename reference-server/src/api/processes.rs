@@ -23,10 +23,10 @@ use crate::stream::sse::{self, Options, Subject};
 
 use super::error::ApiError;
 use super::extract::{Caller, IdempotencyKey, Json, Path, QueryPairs};
-use super::idempotency::{self, Created, IdemRequest};
+use super::idempotency::{self, IdemRequest};
 use super::lookup;
 use super::pagination::PageRequest;
-use super::sandboxes::{env_of, sandbox_of};
+use super::sandboxes::{env_of, sandbox_now};
 use super::state::AppState;
 
 /// How long an output read waits for the `exit` event of a process already recorded as
@@ -158,18 +158,7 @@ pub async fn start(
     let principal = caller.principal.clone();
     let create = move || async move {
         let state = task_state;
-        let current = state
-            .store
-            .get(Kind::Sandbox, Scope::System, &sandbox.id)
-            .await?
-            .ok_or(ApiError::NotFound)?;
-        let sbx = sandbox_of(&current)?;
-        if sbx.state != SandboxState::Running {
-            return Err(ApiError::InvalidState(format!(
-                "the sandbox is {}",
-                sbx.state.as_str()
-            )));
-        }
+        let current = sandbox_now(&state, &sandbox.id, &[SandboxState::Running]).await?;
         let (provider_name, sandbox_local) = lookup::split(&current.id)?;
         let provider = state
             .providers
@@ -219,20 +208,9 @@ pub async fn start(
             .get(Kind::Process, Scope::System, &rec.id)
             .await?
             .unwrap_or(rec);
-        Ok(Created {
-            status: StatusCode::CREATED,
-            resource_id: rec.id.clone(),
-            body: view(&rec)?,
-            headers: Vec::new(),
-        })
+        Ok(rec)
     };
-    let idem = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &body.raw,
-    };
+    let idem = IdemRequest::post(&caller.principal, uri.path(), key, &body.raw);
     idempotency::run_create(&state, idem, Kind::Process, view, create).await
 }
 

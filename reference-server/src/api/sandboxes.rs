@@ -24,7 +24,7 @@ use crate::stream::process_stream;
 
 use super::error::ApiError;
 use super::extract::{Caller, IdempotencyKey, OptionalJson, Path, QueryPairs};
-use super::idempotency::{self, Created, IdemRequest};
+use super::idempotency::{self, IdemRequest};
 use super::lookup;
 use super::pagination::{Page, PageRequest};
 use super::state::AppState;
@@ -69,6 +69,28 @@ pub struct SetTimeout {
 pub fn sandbox_of(rec: &Record) -> Result<Sandbox, ApiError> {
     serde_json::from_value(rec.body.clone())
         .map_err(|e| ApiError::internal(format!("sandbox body {}: {e}", rec.id)))
+}
+
+/// The sandbox `id` as stored now, refused unless it is in one of `states`: a creation runs in a
+/// task of its own, after the caller's lookup, and the sandbox may have changed meanwhile.
+pub async fn sandbox_now(
+    state: &AppState,
+    id: &str,
+    states: &[SandboxState],
+) -> Result<Record, ApiError> {
+    let current = state
+        .store
+        .get(Kind::Sandbox, Scope::System, id)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    let sbx = sandbox_of(&current)?;
+    if !states.contains(&sbx.state) {
+        return Err(ApiError::InvalidState(format!(
+            "the sandbox is {}",
+            sbx.state.as_str()
+        )));
+    }
+    Ok(current)
 }
 
 /// The environment every process of the sandbox gets.
@@ -354,20 +376,9 @@ pub async fn create(
             Ok(())
         })
         .await?;
-        Ok(Created {
-            status: StatusCode::CREATED,
-            resource_id: rec.id.clone(),
-            body: view(&rec)?,
-            headers: Vec::new(),
-        })
+        Ok(rec)
     };
-    let idem = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &body.raw,
-    };
+    let idem = IdemRequest::post(&caller.principal, uri.path(), key, &body.raw);
     idempotency::run_create(&state, idem, Kind::Sandbox, view, create).await
 }
 
@@ -659,18 +670,7 @@ pub async fn connect(
     let principal = caller.principal.clone();
     let create = move || async move {
         let state = task_state;
-        let current = state
-            .store
-            .get(Kind::Sandbox, Scope::System, &sandbox.id)
-            .await?
-            .ok_or(ApiError::NotFound)?;
-        let sbx = sandbox_of(&current)?;
-        if sbx.state != SandboxState::Running {
-            return Err(ApiError::InvalidState(format!(
-                "the sandbox is {}",
-                sbx.state.as_str()
-            )));
-        }
+        sandbox_now(&state, &sandbox.id, &[SandboxState::Running]).await?;
         let conn = Connection {
             id: new_local_id(IdKind::Connection),
             sandbox_id: sandbox.id.clone(),
@@ -689,20 +689,9 @@ pub async fn connect(
             due_at: None,
         };
         state.store.insert(&rec).await?;
-        Ok(Created {
-            status: StatusCode::CREATED,
-            resource_id: rec.id.clone(),
-            body: connection_view(&rec)?,
-            headers: Vec::new(),
-        })
+        Ok(rec)
     };
-    let idem = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &body.raw,
-    };
+    let idem = IdemRequest::post(&caller.principal, uri.path(), key, &body.raw);
     idempotency::run_create(&state, idem, Kind::Connection, connection_view, create).await
 }
 

@@ -12,10 +12,10 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::error::ApiError;
 use super::extract::{Caller, IdempotencyKey, OptionalJson, Path, QueryPairs};
-use super::idempotency::{self, Created, IdemRequest};
+use super::idempotency::{self, IdemRequest};
 use super::lookup;
 use super::pagination::PageRequest;
-use super::sandboxes::{Empty, sandbox_of};
+use super::sandboxes::{Empty, sandbox_now};
 use super::state::AppState;
 
 fn view(rec: &Record) -> Result<Value, ApiError> {
@@ -37,18 +37,12 @@ pub async fn create(
     let principal = caller.principal.clone();
     let create = move || async move {
         let state = task_state;
-        let current = state
-            .store
-            .get(Kind::Sandbox, Scope::System, &sandbox.id)
-            .await?
-            .ok_or(ApiError::NotFound)?;
-        let sbx = sandbox_of(&current)?;
-        if !matches!(sbx.state, SandboxState::Running | SandboxState::Paused) {
-            return Err(ApiError::InvalidState(format!(
-                "the sandbox is {}",
-                sbx.state.as_str()
-            )));
-        }
+        let current = sandbox_now(
+            &state,
+            &sandbox.id,
+            &[SandboxState::Running, SandboxState::Paused],
+        )
+        .await?;
         let (provider_name, sandbox_local) = lookup::split(&current.id)?;
         let provider = state
             .providers
@@ -76,20 +70,9 @@ pub async fn create(
             let _ = provider.delete_snapshot(&local).await;
             return Err(e.into());
         }
-        Ok(Created {
-            status: StatusCode::CREATED,
-            resource_id: rec.id.clone(),
-            body: view(&rec)?,
-            headers: Vec::new(),
-        })
+        Ok(rec)
     };
-    let idem = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &body.raw,
-    };
+    let idem = IdemRequest::post(&caller.principal, uri.path(), key, &body.raw);
     idempotency::run_create(&state, idem, Kind::Snapshot, view, create).await
 }
 

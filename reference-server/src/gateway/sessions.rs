@@ -312,13 +312,7 @@ pub async fn create(
             })),
         }
     };
-    let req = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: uri.path(),
-        key,
-        body: &raw,
-    };
+    let req = IdemRequest::post(&caller.principal, uri.path(), key, &raw);
     idempotent(&state, req, || creating, replay).await
 }
 

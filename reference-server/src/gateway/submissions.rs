@@ -76,13 +76,7 @@ pub async fn submit(
         }))
     };
     let path = format!("/v1/sessions/{sid}/submissions");
-    let req = IdemRequest {
-        principal: &caller.principal,
-        method: "POST",
-        path: &path,
-        key: Some(key),
-        body: &raw,
-    };
+    let req = IdemRequest::post(&caller.principal, &path, Some(key), &raw);
     idempotent(&state, req, || creating, replay).await
 }
 
