@@ -1882,6 +1882,132 @@ async fn a_model_error_fails_the_turn() {
     assert_eq!(ops["data"][0]["state"], "failed");
 }
 
+/// Every child of the list at `path`, read `limit` at a time by following its page tokens.
+async fn all_pages(app: &TestApp, path: &str, limit: usize) -> Vec<Value> {
+    let sep = if path.contains('?') { '&' } else { '?' };
+    let mut children = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let url = match &token {
+            None => format!("{path}{sep}limit={limit}"),
+            Some(t) => format!("{path}{sep}limit={limit}&page_token={t}"),
+        };
+        let page = app.get(ALICE, &url).await.ok(200);
+        let data = page["data"].as_array().unwrap();
+        assert!(data.len() <= limit, "{page}");
+        children.extend(data.iter().cloned());
+        match page["next_page_token"].as_str() {
+            Some(next) => {
+                assert_eq!(page["has_more"], true, "{page}");
+                token = Some(next.to_owned());
+            }
+            None => {
+                assert_eq!(page["has_more"], false, "{page}");
+                return children;
+            }
+        }
+    }
+}
+
+/// A session's submissions, operations and artifacts page alike and filter by state and by
+/// submission; a page token serves only the list and the filters it was issued for.
+#[tokio::test]
+async fn a_sessions_children_page_and_filter_alike() {
+    let app = app().await;
+    let session = create_session(&app, ALICE, "write-artifact").await;
+    let sid = session["id"].as_str().unwrap();
+    let sandbox = session["sandbox_id"].as_str().unwrap();
+    let mut turns = Vec::new();
+    for key in ["a", "b"] {
+        let sub = submit(&app, ALICE, sid, key, "write it").await;
+        let id = sub["id"].as_str().unwrap().to_owned();
+        wait_submission(&app, ALICE, &id, terminal).await;
+        // The next turn's write then changes the file, so that it leaves an artifact too.
+        std::fs::write(root(&app, sandbox).join("artifacts/report.txt"), "changed").unwrap();
+        turns.push(id);
+    }
+    let ids = |children: &[Value], field: &str| -> Vec<String> {
+        children
+            .iter()
+            .map(|c| c[field].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let list = format!("/v1/sessions/{sid}");
+
+    let subs = all_pages(&app, &format!("{list}/submissions"), 1).await;
+    assert_eq!(ids(&subs, "id"), turns);
+    let done = all_pages(&app, &format!("{list}/submissions?state=completed"), 1).await;
+    assert_eq!(ids(&done, "id"), turns);
+    assert!(
+        all_pages(&app, &format!("{list}/submissions?state=queued"), 5)
+            .await
+            .is_empty()
+    );
+
+    let ops = all_pages(&app, &format!("{list}/operations"), 4).await;
+    assert_eq!(ops.len(), 6, "{ops:?}");
+    let by_turn = ids(&ops, "submission_id");
+    assert_eq!(by_turn[..3], [&turns[0]; 3].map(String::as_str));
+    assert_eq!(by_turn[3..], [&turns[1]; 3].map(String::as_str));
+    let second = format!("{list}/operations?submission_id={}", turns[1]);
+    assert_eq!(
+        ids(&all_pages(&app, &second, 2).await, "id"),
+        ids(&ops[3..], "id")
+    );
+    let first_ok = format!(
+        "{list}/operations?state=succeeded&submission_id={}",
+        turns[0]
+    );
+    assert_eq!(
+        ids(&all_pages(&app, &first_ok, 1).await, "id"),
+        ids(&ops[..3], "id")
+    );
+    let running = format!("{list}/operations?state=running");
+    assert!(all_pages(&app, &running, 5).await.is_empty());
+
+    let arts = all_pages(&app, &format!("{list}/artifacts"), 1).await;
+    assert_eq!(ids(&arts, "submission_id"), turns);
+    let second = format!("{list}/artifacts?submission_id={}", turns[1]);
+    assert_eq!(
+        ids(&all_pages(&app, &second, 1).await, "id"),
+        ids(&arts[1..], "id")
+    );
+
+    for bad in ["submissions", "operations"] {
+        let r = app.get(ALICE, &format!("{list}/{bad}?state=nope")).await;
+        assert_eq!(r.problem(400, "invalid_argument")["param"], "state");
+    }
+    // A token of the submissions list, and one of another submission's operations.
+    let page = app
+        .get(ALICE, &format!("{list}/submissions?limit=1"))
+        .await
+        .ok(200);
+    let token = page["next_page_token"].as_str().unwrap();
+    app.get(
+        ALICE,
+        &format!("{list}/operations?limit=1&page_token={token}"),
+    )
+    .await
+    .problem(400, "invalid_page_token");
+    let page = app
+        .get(
+            ALICE,
+            &format!("{}&limit=1", second.replace("artifacts", "operations")),
+        )
+        .await
+        .ok(200);
+    let token = page["next_page_token"].as_str().unwrap();
+    let first = format!("{list}/operations?submission_id={}", turns[0]);
+    app.get(ALICE, &format!("{first}&limit=1&page_token={token}"))
+        .await
+        .problem(400, "invalid_page_token");
+    for child in ["submissions", "operations", "artifacts"] {
+        app.get(BOB, &format!("{list}/{child}"))
+            .await
+            .problem(404, "not_found");
+    }
+}
+
 #[tokio::test]
 async fn files_a_turn_leaves_under_artifacts_are_kept_as_they_were() {
     let app = app_with(|c| c.retention.result_s = 2).await;
