@@ -8,7 +8,9 @@ use axum::{Extension, Router};
 
 use crate::api::AppState;
 
+use super::artifacts::ArtifactDoc;
 use super::core::Gateway;
+use super::model::{OperationDoc, SubmissionDoc};
 use super::{bridge, events, sessions, submissions};
 
 /// The gateway's routes, carrying the gateway itself as an extension. Starts the supervisor
@@ -28,16 +30,16 @@ pub fn routes(state: &AppState) -> Router<AppState> {
         .route("/v1/sessions/{id}/files", post(sessions::upload))
         .route(
             "/v1/sessions/{id}/submissions",
-            post(submissions::submit).get(submissions::list),
+            post(submissions::submit).get(submissions::list::<SubmissionDoc>),
         )
         .route(
             "/v1/sessions/{id}/operations",
-            get(submissions::list_operations),
+            get(submissions::list::<OperationDoc>),
         )
         .route("/v1/sessions/{id}/events", get(events::session_events))
         .route(
             "/v1/sessions/{id}/artifacts",
-            get(submissions::list_artifacts),
+            get(submissions::list::<ArtifactDoc>),
         )
         .route(
             "/v1/artifacts/{id}/content",

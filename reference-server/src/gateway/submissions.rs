@@ -1,5 +1,6 @@
 //! Submissions (turns) and operations: submit, list, get, cancel, result.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use axum::Extension;
@@ -8,6 +9,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use crate::api::{ApiError, AppState};
@@ -159,19 +161,74 @@ pub async fn get(
     Ok(axum::Json(gw.submission_view(&doc).await?).into_response())
 }
 
-const SUBMISSION_STATES: &[&str] = &[
-    "queued",
-    "running",
-    "cancelling",
-    "completed",
-    "failed",
-    "cancelled",
-    "expired",
-    "uncertain",
-];
-const OPERATION_STATES: &[&str] = &["running", "succeeded", "failed", "cancelled", "uncertain"];
+/// One of the lists of a session's children, `GET /v1/sessions/{id}/<list>`: its submissions,
+/// operations or artifacts.
+pub trait Child: DeserializeOwned + Send + Sync {
+    const KIND: Kind;
+    /// The list's name in its route, which its page tokens are bound to.
+    const LIST: &'static str;
+    /// The states `state=` may name and what they are states of; `None`: the list takes no
+    /// `state=`.
+    const STATES: Option<(&'static [&'static str], &'static str)>;
+    /// The submission a child belongs to, for `submission_id=`; `None`: the list takes no
+    /// `submission_id=`.
+    const SUBMISSION_OF: Option<fn(&Self) -> &str>;
 
-pub async fn list(
+    /// The child as the list shows it.
+    fn view(&self, gw: &Gateway) -> impl Future<Output = ApiResult<Value>> + Send;
+}
+
+impl Child for SubmissionDoc {
+    const KIND: Kind = Kind::Submission;
+    const LIST: &'static str = "submissions";
+    const STATES: Option<(&'static [&'static str], &'static str)> = Some((
+        &[
+            "queued",
+            "running",
+            "cancelling",
+            "completed",
+            "failed",
+            "cancelled",
+            "expired",
+            "uncertain",
+        ],
+        "submission",
+    ));
+    const SUBMISSION_OF: Option<fn(&Self) -> &str> = None;
+
+    fn view(&self, gw: &Gateway) -> impl Future<Output = ApiResult<Value>> + Send {
+        gw.submission_view(self)
+    }
+}
+
+impl Child for OperationDoc {
+    const KIND: Kind = Kind::Operation;
+    const LIST: &'static str = "operations";
+    const STATES: Option<(&'static [&'static str], &'static str)> = Some((
+        &["running", "succeeded", "failed", "cancelled", "uncertain"],
+        "operation",
+    ));
+    const SUBMISSION_OF: Option<fn(&Self) -> &str> = Some(|op| &op.submission_id);
+
+    fn view(&self, _: &Gateway) -> impl Future<Output = ApiResult<Value>> + Send {
+        std::future::ready(Ok(OperationDoc::view(self)))
+    }
+}
+
+impl Child for ArtifactDoc {
+    const KIND: Kind = Kind::Artifact;
+    const LIST: &'static str = "artifacts";
+    const STATES: Option<(&'static [&'static str], &'static str)> = None;
+    const SUBMISSION_OF: Option<fn(&Self) -> &str> = Some(|art| &art.submission_id);
+
+    fn view(&self, _: &Gateway) -> impl Future<Output = ApiResult<Value>> + Send {
+        std::future::ready(Ok(ArtifactDoc::view(self)))
+    }
+}
+
+/// `GET /v1/sessions/{id}/<list>`: a page of the caller's session's children of one kind, with
+/// the list's filters (`state=`, `submission_id=`).
+pub async fn list<T: Child>(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
     caller: Caller,
@@ -179,32 +236,45 @@ pub async fn list(
     q: QueryPairs,
 ) -> ApiResult<Response> {
     owned_session(&gw, &caller.principal, &sid).await?;
-    let filter = q.get("state").map(str::to_owned);
-    if filter
-        .as_deref()
-        .is_some_and(|s| !SUBMISSION_STATES.contains(&s))
-    {
-        return Err(ApiError::invalid("state", "unknown submission state"));
-    }
-    let page = PageRequest::parse(
-        &state,
-        &q,
-        &caller.principal,
-        format!(
-            "submissions session={sid} state={}",
-            filter.as_deref().unwrap_or("")
-        ),
-    )?;
-    let mut lq = ListQuery::new(Kind::Submission, Scope::Owner(&caller.principal));
+    let mut filters = format!("{} session={sid}", T::LIST);
+    let state_filter = match T::STATES {
+        None => None,
+        Some((states, of)) => {
+            let filter = q.get("state");
+            if filter.is_some_and(|s| !states.contains(&s)) {
+                return Err(ApiError::invalid("state", format!("unknown {of} state")));
+            }
+            filters.push_str(&format!(" state={}", filter.unwrap_or("")));
+            filter
+        }
+    };
+    let submission = T::SUBMISSION_OF.and_then(|of| {
+        let filter = q.get("submission_id");
+        filters.push_str(&format!(" submission={}", filter.unwrap_or("")));
+        Some((of, filter?))
+    });
+    let page = PageRequest::parse(&state, &q, &caller.principal, filters)?;
+    let mut lq = ListQuery::new(T::KIND, Scope::Owner(&caller.principal));
     lq.parent = Some(&sid);
-    lq.state = filter.as_deref();
+    lq.state = state_filter;
     lq.after = page.after.clone();
-    lq.limit = Some(page.limit + 1);
-    let recs = state.store.list(&lq).await?;
+    // A session's children are few: filtered by submission, they are read until a page (and
+    // one more, which says that there is more) matches.
+    if submission.is_none() {
+        lq.limit = Some(page.limit + 1);
+    }
+    let mut recs = Vec::new();
     let mut views = Vec::new();
-    for rec in &recs {
-        let doc: SubmissionDoc = decode(rec)?;
-        views.push(gw.submission_view(&doc).await?);
+    for rec in state.store.list(&lq).await? {
+        let child: T = decode(&rec)?;
+        if submission.is_some_and(|(of, id)| of(&child) != id) {
+            continue;
+        }
+        views.push(child.view(&gw).await?);
+        recs.push(rec);
+        if recs.len() > page.limit as usize {
+            break;
+        }
     }
     let mut views = views.into_iter();
     let body = page.page(&state, recs, |_| {
@@ -297,43 +367,6 @@ pub async fn result(
     Ok(axum::Json(body).into_response())
 }
 
-pub async fn list_artifacts(
-    State(state): State<AppState>,
-    Extension(gw): Extension<Arc<Gateway>>,
-    caller: Caller,
-    Path(sid): Path<String>,
-    q: QueryPairs,
-) -> ApiResult<Response> {
-    owned_session(&gw, &caller.principal, &sid).await?;
-    let submission = q.get("submission_id").map(str::to_owned);
-    let page = PageRequest::parse(
-        &state,
-        &q,
-        &caller.principal,
-        format!(
-            "artifacts session={sid} submission={}",
-            submission.as_deref().unwrap_or("")
-        ),
-    )?;
-    let mut lq = ListQuery::new(Kind::Artifact, Scope::Owner(&caller.principal));
-    lq.parent = Some(&sid);
-    lq.after = page.after.clone();
-    let mut recs = Vec::new();
-    for rec in state.store.list(&lq).await? {
-        let art: ArtifactDoc = decode(&rec)?;
-        if submission.as_deref().is_none_or(|s| s == art.submission_id) {
-            recs.push(rec);
-        }
-        if recs.len() > page.limit as usize {
-            break;
-        }
-    }
-    let body = page.page(&state, recs, |rec| {
-        Ok::<_, ApiError>(decode::<ArtifactDoc>(rec)?.view())
-    })?;
-    Ok(axum::Json(body).into_response())
-}
-
 pub async fn artifact_content(
     State(state): State<AppState>,
     Extension(gw): Extension<Arc<Gateway>>,
@@ -370,53 +403,6 @@ pub async fn artifact_content(
         bytes,
     )
         .into_response())
-}
-
-pub async fn list_operations(
-    State(state): State<AppState>,
-    Extension(gw): Extension<Arc<Gateway>>,
-    caller: Caller,
-    Path(sid): Path<String>,
-    q: QueryPairs,
-) -> ApiResult<Response> {
-    owned_session(&gw, &caller.principal, &sid).await?;
-    let filter = q.get("state").map(str::to_owned);
-    if filter
-        .as_deref()
-        .is_some_and(|s| !OPERATION_STATES.contains(&s))
-    {
-        return Err(ApiError::invalid("state", "unknown operation state"));
-    }
-    let submission = q.get("submission_id").map(str::to_owned);
-    let page = PageRequest::parse(
-        &state,
-        &q,
-        &caller.principal,
-        format!(
-            "operations session={sid} state={} submission={}",
-            filter.as_deref().unwrap_or(""),
-            submission.as_deref().unwrap_or("")
-        ),
-    )?;
-    // Operations are few per session; filter by submission after the keyset query.
-    let mut lq = ListQuery::new(Kind::Operation, Scope::Owner(&caller.principal));
-    lq.parent = Some(&sid);
-    lq.state = filter.as_deref();
-    lq.after = page.after.clone();
-    let mut recs = Vec::new();
-    for rec in state.store.list(&lq).await? {
-        let doc: OperationDoc = decode(&rec)?;
-        if submission.as_deref().is_none_or(|s| s == doc.submission_id) {
-            recs.push(rec);
-        }
-        if recs.len() > page.limit as usize {
-            break;
-        }
-    }
-    let body = page.page(&state, recs, |rec| {
-        Ok::<_, ApiError>(decode::<OperationDoc>(rec)?.view())
-    })?;
-    Ok(axum::Json(body).into_response())
 }
 
 pub async fn get_operation(
