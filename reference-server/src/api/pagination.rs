@@ -4,6 +4,8 @@
 //! HMAC-SHA256 over the cursor, the principal and the canonical filters, so a token cannot be
 //! forged, used by another principal, or replayed with different filters.
 
+use std::convert::Infallible;
+
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::{Hmac, Mac};
@@ -142,5 +144,20 @@ impl PageRequest {
             has_more,
             next_page_token,
         })
+    }
+
+    /// [`PageRequest::page`] with views made beforehand, one per record in the same order (views
+    /// that had to be awaited).
+    pub fn page_of<T: Default>(
+        &self,
+        state: &AppState,
+        records: Vec<Record>,
+        views: Vec<T>,
+    ) -> Page<T> {
+        let mut views = views.into_iter();
+        let Ok(page) = self.page(state, records, |_| {
+            Ok::<_, Infallible>(views.next().unwrap_or_default())
+        });
+        page
     }
 }

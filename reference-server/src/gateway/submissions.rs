@@ -276,11 +276,7 @@ pub async fn list<T: Child>(
             break;
         }
     }
-    let mut views = views.into_iter();
-    let body = page.page(&state, recs, |_| {
-        Ok::<_, ApiError>(views.next().unwrap_or_default())
-    })?;
-    Ok(axum::Json(body).into_response())
+    Ok(axum::Json(page.page_of(&state, recs, views)).into_response())
 }
 
 pub async fn cancel(
