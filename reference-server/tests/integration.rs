@@ -9,6 +9,7 @@
 mod support;
 
 mod api;
+mod architecture;
 mod e2b;
 mod sessions;
 mod store;
