@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //!
-//! - [`clock`]: the clock expiry is decided by (real time, moved forward by a test control).
+//! - [`clock`]: the clock expiry is decided by (real time, moved forward by a test control),
+//!   and `now()`, the time every timestamp is taken at.
 //! - [`config`]: everything the server is started with (principals, providers, limits,
 //!   retention, the store, test controls, defects).
 //! - [`defects`]: the negative controls: realistic bugs the suite must catch.
@@ -18,7 +19,8 @@
 //! - `model_fixture` (private): an OpenAI-compatible model server replaying scripted responses.
 //! - [`e2b`]: the E2B protocol (control plane and envd) over the same sandboxes.
 //! - [`api`]: HTTP handlers, wire types and the one mapping from errors to problem bodies.
-//! - [`server`]: `run(listener, config, shutdown)`, TLS, and the background reapers.
+//! - [`server`]: `run(listener, config, shutdown)`, TLS, the background reapers, and the router
+//!   put together from the areas' routes (`api`, `gateway`, `e2b`).
 //! - [`cli`]: the `sandspec serve` command line.
 
 pub mod api;

@@ -62,7 +62,8 @@ pub async fn qualified(
 }
 
 /// A provider-qualified object visible in `scope`. Handlers pass the caller as the owner;
-/// only the `foreign-object-visible` defect passes `Scope::System`.
+/// only the defects that skip that check (`foreign-object-visible`, `file-list-skips-auth`,
+/// `process-output-skips-auth`) pass `Scope::System`.
 pub async fn qualified_in(
     state: &AppState,
     kind: Kind,

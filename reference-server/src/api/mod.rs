@@ -1,7 +1,8 @@
 //! HTTP handlers, wire types, and the one mapping from errors to problem bodies.
 //!
-//! Architecture invariant: only this module knows status codes and JSON wire shapes, and
-//! every store lookup made for a client passes the client's principal as the owner.
+//! Architecture invariant: only the HTTP areas (this module, the gateway's handlers and `e2b`)
+//! know status codes and headers, and every ID a client sends is resolved with the client's
+//! principal as the owner (`lookup`).
 
 pub(crate) mod error;
 pub(crate) mod extract;

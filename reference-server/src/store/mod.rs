@@ -1,8 +1,10 @@
 //! Durable state behind one trait. Objects are stored as records (a few indexed columns and a
 //! JSON body); streams are gap-free event logs; idempotency keys are remembered per principal.
 //!
-//! Architecture invariant: every lookup takes a [`Scope`]; handlers acting for a principal
-//! pass `Scope::Owner`, and only the reapers and test controls use `Scope::System`.
+//! Architecture invariant: every read of records by ID or by list takes a [`Scope`]. An ID a
+//! client sends is resolved as `Scope::Owner`; `Scope::System` reads what such a lookup has
+//! already resolved, or serves callers that are not principals (reapers, test controls, the
+//! preview proxy, the private bridge, E2B's envd).
 //!
 //! Both stores keep times as whole microseconds since the epoch and order text by bytes, so
 //! they return the same records in the same order and compute the same [`Store::digest`] for
