@@ -76,9 +76,9 @@ impl<'a> IdemRequest<'a> {
     }
 }
 
-/// An idempotent `POST` that creates one record of `kind`: [`run`] with `create`, whose record
-/// is answered 201 with `view` of it, and a replay that answers `view` of the record as the
-/// caller sees it now.
+/// An idempotent `POST` that creates one record of `kind`: [`run`] with `create` (given the
+/// state and the caller's principal, for the task it runs in), whose record is answered 201
+/// with `view` of it, and a replay that answers `view` of the record as the caller sees it now.
 pub async fn run_create<C, CF, V>(
     state: &AppState,
     req: IdemRequest<'_>,
@@ -87,13 +87,14 @@ pub async fn run_create<C, CF, V>(
     create: C,
 ) -> Result<Response, ApiError>
 where
-    C: FnOnce() -> CF,
+    C: FnOnce(AppState, String) -> CF,
     CF: Future<Output = Result<Record, ApiError>> + Send + 'static,
     V: Fn(&Record) -> Result<Value, ApiError> + Clone + Send + 'static,
 {
     let created_view = view.clone();
+    let (task_state, principal) = (state.clone(), req.principal.to_owned());
     let create = move || {
-        let creating = create();
+        let creating = create(task_state, principal);
         async move {
             let rec = creating.await?;
             let body = created_view(&rec)?;

@@ -82,10 +82,7 @@ pub async fn create(
     }
     let sandbox = lookup::qualified(&state, Kind::Sandbox, &caller.principal, &id).await?;
     let base = base_url(&state, &headers);
-    let task_state = state.clone();
-    let principal = caller.principal.clone();
-    let create = move || async move {
-        let state = task_state;
+    let create = move |state: AppState, principal: String| async move {
         let created_at = now();
         let preview = Preview {
             id: new_local_id(IdKind::Preview),

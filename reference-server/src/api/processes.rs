@@ -154,10 +154,7 @@ pub async fn start(
         timeout_ms: req.timeout_ms,
         tag: req.tag,
     };
-    let task_state = state.clone();
-    let principal = caller.principal.clone();
-    let create = move || async move {
-        let state = task_state;
+    let create = move |state: AppState, principal: String| async move {
         let current = sandbox_now(&state, &sandbox.id, &[SandboxState::Running]).await?;
         let (provider_name, sandbox_local) = lookup::split(&current.id)?;
         let provider = state

@@ -322,10 +322,7 @@ pub async fn create(
     if racy_quota {
         check_quota(&state, &caller.principal, &record.id).await?;
     }
-    let task_state = state.clone();
-    let principal = caller.principal.clone();
-    let create = move || async move {
-        let state = task_state;
+    let create = move |state: AppState, principal: String| async move {
         {
             let _serial = state.create_lock.lock().await;
             if !racy_quota {
@@ -666,10 +663,7 @@ pub async fn connect(
     body: OptionalJson<Empty>,
 ) -> Result<Response, ApiError> {
     let sandbox = lookup::qualified(&state, Kind::Sandbox, &caller.principal, &id).await?;
-    let task_state = state.clone();
-    let principal = caller.principal.clone();
-    let create = move || async move {
-        let state = task_state;
+    let create = move |state: AppState, principal: String| async move {
         sandbox_now(&state, &sandbox.id, &[SandboxState::Running]).await?;
         let conn = Connection {
             id: new_local_id(IdKind::Connection),

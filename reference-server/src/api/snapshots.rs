@@ -33,10 +33,7 @@ pub async fn create(
     body: OptionalJson<Empty>,
 ) -> Result<Response, ApiError> {
     let sandbox = lookup::qualified(&state, Kind::Sandbox, &caller.principal, &id).await?;
-    let task_state = state.clone();
-    let principal = caller.principal.clone();
-    let create = move || async move {
-        let state = task_state;
+    let create = move |state: AppState, principal: String| async move {
         let current = sandbox_now(
             &state,
             &sandbox.id,
