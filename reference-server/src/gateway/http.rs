@@ -31,7 +31,8 @@ pub fn json_body<T: DeserializeOwned>(
     parse_json(raw)
 }
 
-/// Reads a body of at most `limit` bytes (413 beyond).
+/// Reads a body of at most `limit` bytes: 413 beyond it, and for a body that cannot be read at
+/// all (where `api::extract::read_body` answers 400).
 pub async fn read_body(
     headers: &HeaderMap,
     body: Body,
