@@ -152,10 +152,12 @@ fn the_scan_finds_edges_through_re_exports_and_reports_cycles() {
         "pub struct A(crate::b::B);\nfn f(_: crate::c::C) {}\n",
     );
     write("b.rs", "use super::a::A;\npub struct B;\n");
-    // What comments, strings and characters say is no import.
+    // What comments, strings and characters say is no import, nor is a visibility path or a
+    // `use<..>` bound.
     write(
         "c.rs",
-        "//! crate::a::A\npub struct C;\nfn f() -> (&'static str, char) { (\"crate::a::A\", '\"') }\n",
+        "//! crate::a::A\npub struct C;\nfn f() -> (&'static str, char) { (\"crate::a::A\", '\"') }\n\
+         pub(in crate::a) fn g() -> impl Sized + use<> {}\n",
     );
     assert_eq!(
         cycles(&Graph::of(dir.path()).deps),
@@ -257,7 +259,8 @@ impl Graph {
                         scopes.pop();
                     }
                 }
-                "use" => {
+                // `use<..>` after `impl Trait +` captures lifetimes; it imports nothing.
+                "use" if at(i + 1) != "<" => {
                     let end = (i..tokens.len()).find(|&k| at(k) == ";").unwrap();
                     let mut leaves = Vec::new();
                     use_tree(&tokens[i + 1..end], &mut Vec::new(), &mut leaves);
@@ -296,6 +299,12 @@ impl Graph {
                     // `#[macro_export]` puts a macro at the crate root, wherever it is written.
                     let root = self.modules.entry(Vec::new()).or_default();
                     root.items.insert(at(i + 2).to_owned());
+                }
+                // `pub(in crate::x)` names where an item is visible, not what it uses.
+                "in" if at(i.wrapping_sub(1)) == "(" => {
+                    while at(i + 1) != ")" {
+                        i += 1;
+                    }
                 }
                 first if is_ident(first) && at(i + 1) == "::" && at(i.wrapping_sub(1)) != "::" => {
                     let mut segments = vec![first.to_owned()];
