@@ -38,9 +38,10 @@ use crate::store::{Kind, ListQuery, Record, Scope};
 use super::ids;
 
 /// The envd version this server's envd surface answers as. It decides which features the
-/// SDK uses: stdin (0.3.0), the default user (0.4.0), closing stdin (0.5.2) and octet-stream
-/// uploads (0.5.7) are served; file metadata as extended attributes (0.6.2) is not.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// SDK uses: stdin (0.3.0), the default user (0.4.0), closing stdin (0.5.2), octet-stream
+/// uploads (0.5.7), file metadata as extended attributes (0.6.2), entry info in watch events
+/// (0.6.3) and watching with network mounts allowed (0.6.4) are all served.
+pub const ENVD_VERSION: &str = "0.6.4";
 /// The only template: the same one `/v1` serves.
 const TEMPLATE: &str = "base";
 /// What E2B calls `clientID` (deprecated upstream, still required in its responses).
@@ -67,7 +68,7 @@ impl E2bError {
         }
     }
 
-    fn bad_request(message: impl Into<String>) -> Self {
+    pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
@@ -181,7 +182,10 @@ impl FromRequestParts<AppState> for Team {
 }
 
 /// A JSON body: empty means `{}`, anything else must parse as `T`.
-fn body<T: DeserializeOwned + Default>(headers: &HeaderMap, raw: &Bytes) -> Result<T, E2bError> {
+pub fn body<T: DeserializeOwned + Default>(
+    headers: &HeaderMap,
+    raw: &Bytes,
+) -> Result<T, E2bError> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
@@ -218,7 +222,7 @@ pub fn e2b_state(rec: &Record) -> E2bState {
         .unwrap_or_default()
 }
 
-fn provider_names(state: &AppState) -> Vec<String> {
+pub fn provider_names(state: &AppState) -> Vec<String> {
     state
         .config
         .providers
@@ -228,7 +232,7 @@ fn provider_names(state: &AppState) -> Vec<String> {
 }
 
 /// The E2B ID of a stored sandbox (records without one never reach these views).
-fn e2b_id(state: &AppState, rec: &Record) -> String {
+pub fn e2b_id(state: &AppState, rec: &Record) -> String {
     ids::to_e2b(&provider_names(state), &rec.id).unwrap_or_default()
 }
 
@@ -258,7 +262,7 @@ pub async fn owned(state: &AppState, team: &Team, id: &str) -> Result<Record, E2
     Err(E2bError::not_found(id))
 }
 
-fn e2b_state_name(sandbox: &Sandbox) -> &'static str {
+pub fn e2b_state_name(sandbox: &Sandbox) -> &'static str {
     match sandbox.state {
         SandboxState::Paused => "paused",
         _ => "running",
@@ -275,7 +279,11 @@ fn domain(headers: &HeaderMap, state: &AppState) -> String {
 }
 
 /// E2B's `Sandbox` (create, resume, connect).
-fn sandbox_view(state: &AppState, rec: &Record, headers: &HeaderMap) -> Result<Value, E2bError> {
+pub fn sandbox_view(
+    state: &AppState,
+    rec: &Record,
+    headers: &HeaderMap,
+) -> Result<Value, E2bError> {
     let sandbox = sandbox_of(rec)?;
     let e2b = e2b_state(rec);
     let mut out = json!({
@@ -505,25 +513,75 @@ async fn create(
         .template_id
         .clone()
         .ok_or_else(|| E2bError::bad_request("templateID is required"))?;
-    if template != TEMPLATE {
-        return Err(E2bError::new(
-            StatusCode::NOT_FOUND,
-            format!("template \"{template}\" not found (this server has \"{TEMPLATE}\")"),
-        ));
-    }
+    let from_snapshot = if template == TEMPLATE {
+        None
+    } else {
+        match super::templates::snapshot_named(&state, &team, &template).await? {
+            Some(snapshot) => Some(snapshot),
+            None => {
+                return Err(E2bError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "template \"{template}\" not found (this server has \"{TEMPLATE}\" and the team's snapshots)"
+                    ),
+                ));
+            }
+        }
+    };
     req.refuse_unsupported()?;
     let timeout_s = parse_timeout(&state, req.timeout, default_timeout)?;
     let metadata = req.metadata.clone().unwrap_or_default();
     validate_metadata(&metadata)?;
     let env = req.env_vars.clone().unwrap_or_default();
     validate_env(&env)?;
+    let spec = Spec {
+        template,
+        from_snapshot,
+        timeout_s,
+        metadata,
+        env,
+        auto_pause: req.auto_pause.unwrap_or(false),
+        secure,
+    };
+    let rec = create_sandbox(&state, &team, spec).await?;
+    let body = sandbox_view(&state, &rec, &headers)?;
+    Ok(Created::new(StatusCode::CREATED, rec.id, body))
+}
 
+/// What a new sandbox is made of, once its request is checked.
+pub struct Spec {
+    /// What `templateID` answers: `base`, or the snapshot it started from.
+    pub template: String,
+    /// The qualified ID of the snapshot whose files it starts with.
+    pub from_snapshot: Option<String>,
+    pub timeout_s: u64,
+    pub metadata: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
+    pub auto_pause: bool,
+    pub secure: bool,
+}
+
+/// Creates a running sandbox in the default provider (and, for a snapshot, the snapshot's
+/// provider, which must be the default one): its record first, counted against the team's
+/// limit, then its files and limits.
+pub async fn create_sandbox(state: &AppState, team: &Team, spec: Spec) -> Result<Record, E2bError> {
     let provider_name = state.providers.default_name().to_owned();
     let provider = state
         .providers
         .get(&provider_name)
         .cloned()
         .ok_or_else(|| ApiError::internal("no default provider"))?;
+    let snapshot_local = match &spec.from_snapshot {
+        None => None,
+        Some(qualified) => match crate::api::lookup::split(qualified)? {
+            (p, local) if p == provider_name => Some(local.to_owned()),
+            _ => {
+                return Err(E2bError::bad_request(
+                    "the snapshot is not in the provider E2B sandboxes are created in",
+                ));
+            }
+        },
+    };
     let local = provider.allocate_local_id(IdKind::Sandbox);
     let requested = Resources {
         cpu: 1.0,
@@ -534,15 +592,13 @@ async fn create(
         id: QualifiedId::new(&provider_name, &local).to_string(),
         provider: provider_name.clone(),
         state: SandboxState::Starting,
-        template,
+        template: spec.template.clone(),
         requested,
         resources: requested,
-        metadata,
+        metadata: spec.metadata.clone(),
         created_at,
-        expires_at: created_at + secs(timeout_s),
-        on_timeout: if req.auto_pause.unwrap_or(false)
-            && !state.config.defects.has(Defect::E2bAutoPauseIgnored)
-        {
+        expires_at: created_at + secs(spec.timeout_s),
+        on_timeout: if spec.auto_pause && !state.config.defects.has(Defect::E2bAutoPauseIgnored) {
             OnTimeout::Pause
         } else {
             OnTimeout::Kill
@@ -553,8 +609,8 @@ async fn create(
         },
     };
     let e2b = E2bState {
-        secure,
-        access_token: secure.then(new_token),
+        secure: spec.secure,
+        access_token: spec.secure.then(new_token),
     };
     let mut record = Record {
         kind: Kind::Sandbox,
@@ -562,7 +618,7 @@ async fn create(
         owner: team.principal.clone(),
         parent: None,
         state: String::new(),
-        body: json!({"env": env, "timeout_s": timeout_s, "e2b": e2b}),
+        body: json!({"env": spec.env, "timeout_s": spec.timeout_s, "e2b": e2b}),
         version: 1,
         created_at,
         due_at: None,
@@ -586,7 +642,10 @@ async fn create(
         }
         state.store.insert(&record).await?;
     }
-    let granted = match provider.create(&local, &requested, None).await {
+    let granted = match provider
+        .create(&local, &requested, snapshot_local.as_deref())
+        .await
+    {
         Ok(granted) => granted,
         Err(e) => {
             if let Err(e) = state.store.delete(Kind::Sandbox, &record.id).await {
@@ -604,15 +663,14 @@ async fn create(
         let _ = provider.destroy(&local).await;
         return Err(E2bError::not_found(&record.id));
     };
-    let rec = update_sandbox(&state, rec, |sbx, _| {
+    let timeout_s = spec.timeout_s;
+    Ok(update_sandbox(state, rec, |sbx, _| {
         sbx.state = SandboxState::Running;
         sbx.resources = granted;
         sbx.expires_at = started + secs(timeout_s);
         Ok(())
     })
-    .await?;
-    let body = sandbox_view(&state, &rec, &headers)?;
-    Ok(Created::new(StatusCode::CREATED, rec.id, body))
+    .await?)
 }
 
 /// `metadata` of the list endpoints: one query parameter holding `key=value` pairs joined by
@@ -707,9 +765,36 @@ pub async fn list_v2(
                 E2bError::bad_request(format!("limit must be between 1 and {PAGE_LIMIT}"))
             })?,
     };
-    let mut filters = format!("e2b-sandboxes&state={}", states.join(","));
+    let descending = match query.get("order") {
+        None | Some("desc") => true,
+        Some("asc") => false,
+        Some(other) => {
+            return Err(E2bError::bad_request(format!(
+                "unknown order \"{other}\" (asc or desc)"
+            )));
+        }
+    };
+    let started_after = match query.get("startedAfter") {
+        None => None,
+        Some(raw) => Some(
+            OffsetDateTime::parse(raw, &time::format_description::well_known::Rfc3339)
+                .map_err(|_| E2bError::bad_request("startedAfter must be an RFC 3339 time"))?,
+        ),
+    };
+    let template = query.get("template").map(str::to_owned);
+    let mut filters = format!(
+        "e2b-sandboxes&state={}&order={}",
+        states.join(","),
+        if descending { "desc" } else { "asc" }
+    );
     for (k, v) in &metadata {
         filters.push_str(&format!("&metadata.{k}={v}"));
+    }
+    if let Some(t) = started_after {
+        filters.push_str(&format!("&startedAfter={}", t.unix_timestamp_nanos()));
+    }
+    if let Some(t) = &template {
+        filters.push_str(&format!("&template={t}"));
     }
     let page = PageRequest::from_parts(
         &state,
@@ -722,14 +807,34 @@ pub async fn list_v2(
         ApiError::InvalidPageToken => E2bError::bad_request("invalid nextToken"),
         other => other.into(),
     })?;
-    let mut q = ListQuery::new(Kind::Sandbox, Scope::Owner(&team.principal));
-    q.after = page.after.clone();
-    let records = list_matching(&state, q, limit as usize + 1, |rec| {
+    // The team's sandboxes are few (at most `max_sandboxes_per_principal`), so the whole
+    // list is read and ordered here: newest first by default, as upstream.
+    let q = ListQuery::new(Kind::Sandbox, Scope::Owner(&team.principal));
+    let mut records = list_matching(&state, q, usize::MAX, |rec| {
         states.contains(&rec.state.as_str())
             && on_e2b_surface(&state, rec)
             && matches_metadata(rec, &metadata)
+            && sandbox_of(rec).is_ok_and(|sbx| {
+                started_after.is_none_or(|t| sbx.created_at >= t)
+                    && template.as_ref().is_none_or(|t| &sbx.template == t)
+            })
     })
     .await?;
+    let key = |r: &Record| (r.created_at, r.id.clone());
+    records.sort_by_key(key);
+    if descending {
+        records.reverse();
+    }
+    if let Some(after) = &page.after {
+        records.retain(|r| {
+            if descending {
+                key(r) < *after
+            } else {
+                key(r) > *after
+            }
+        });
+    }
+    records.truncate(limit as usize + 1);
     let page = page.page(&state, records, |r| listed_view(&state, r, None))?;
     let mut response = Json(page.data).into_response();
     if let Some(token) = page.next_page_token
@@ -991,4 +1096,92 @@ pub async fn connect(
             other.as_str()
         ))),
     }
+}
+
+/// One `SandboxMetric` of a running sandbox, measured now: its CPU count and the average use
+/// of them since it started, its processes' resident memory against its memory grant, and
+/// its files' bytes (there is no disk quota: `diskTotal` is 0).
+async fn metric_now(state: &AppState, rec: &Record) -> Result<Value, E2bError> {
+    let sandbox = sandbox_of(rec)?;
+    let (provider, local) = crate::api::lookup::split(&rec.id)?;
+    let provider = state
+        .providers
+        .get(provider)
+        .ok_or_else(|| ApiError::internal("unknown provider"))?;
+    let usage = provider.usage(local).await?;
+    let at = now();
+    let cpus = (sandbox.resources.cpu.ceil() as u64).max(1);
+    let alive = (at - sandbox.created_at).as_seconds_f64().max(1e-3);
+    let used_pct = (usage.cpu_seconds / (alive * cpus as f64) * 100.0).clamp(0.0, 100.0);
+    Ok(json!({
+        "timestamp": rfc3339(at),
+        "timestampUnix": at.unix_timestamp(),
+        "cpuCount": cpus,
+        "cpuUsedPct": used_pct,
+        "memUsed": usage.memory_bytes,
+        "memTotal": sandbox.resources.memory_mb * 1024 * 1024,
+        "memCache": 0,
+        "diskUsed": usage.disk_bytes,
+        "diskTotal": DISK_SIZE_MB * 1024 * 1024,
+    }))
+}
+
+/// A time bound of the metrics endpoint: Unix seconds.
+fn unix_param(query: &QueryPairs, name: &str) -> Result<Option<i64>, E2bError> {
+    query
+        .get(name)
+        .map(|raw| {
+            raw.parse::<i64>()
+                .map_err(|_| E2bError::bad_request(format!("{name} is Unix seconds")))
+        })
+        .transpose()
+}
+
+/// `GET /sandboxes/{id}/metrics`: the sandbox's metrics between `start` and `end` (Unix
+/// seconds, both optional). The server keeps no history: the answer is one sample taken
+/// now, when now lies in the range and the sandbox runs; otherwise none.
+pub async fn metrics(
+    State(state): State<AppState>,
+    team: Team,
+    Path(id): Path<String>,
+    query: QueryPairs,
+) -> Result<Response, E2bError> {
+    let (start, end) = (unix_param(&query, "start")?, unix_param(&query, "end")?);
+    let rec = owned(&state, &team, &id).await?;
+    let sandbox = sandbox_of(&rec)?;
+    let now_s = now().unix_timestamp();
+    // The bounds are whole seconds; a sample taken within the second `end` names is in.
+    let in_range = start.is_none_or(|s| s <= now_s) && end.is_none_or(|e| now_s <= e + 1);
+    if sandbox.state != SandboxState::Running || !in_range {
+        return Ok(Json(Vec::<Value>::new()).into_response());
+    }
+    Ok(Json(vec![metric_now(&state, &rec).await?]).into_response())
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest metric of each of the team's running
+/// sandboxes named, by ID (`SandboxesWithMetrics`); IDs of other teams or of no sandbox are
+/// left out.
+pub async fn metrics_many(
+    State(state): State<AppState>,
+    team: Team,
+    query: QueryPairs,
+) -> Result<Response, E2bError> {
+    let raw = query
+        .get("sandbox_ids")
+        .ok_or_else(|| E2bError::bad_request("sandbox_ids is required"))?;
+    let mut out = serde_json::Map::new();
+    for id in raw
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .take(PAGE_LIMIT as usize)
+    {
+        let Ok(rec) = owned(&state, &team, id).await else {
+            continue;
+        };
+        if sandbox_of(&rec)?.state == SandboxState::Running {
+            out.insert(id.to_owned(), metric_now(&state, &rec).await?);
+        }
+    }
+    Ok(Json(json!({ "sandboxes": out })).into_response())
 }

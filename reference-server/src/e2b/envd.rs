@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -107,6 +108,17 @@ impl EnvdSandbox {
     }
 }
 
+/// The running sandbox an envd request is routed to, its access token checked: the opening of
+/// every envd handler but `/health` (no token) and `/files` (a signature may stand in for the
+/// token).
+impl FromRequestParts<AppState> for EnvdSandbox {
+    type Rejection = EnvdError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, EnvdError> {
+        sandbox_for(state, &parts.headers, Access::Token).await
+    }
+}
+
 /// The sandbox ID and port a request is routed by: the headers first, else the host form.
 fn route_of(headers: &HeaderMap) -> Option<(String, Option<String>)> {
     let header = |name: &str| {
@@ -127,12 +139,76 @@ fn route_of(headers: &HeaderMap) -> Option<(String, Option<String>)> {
     None
 }
 
-/// Resolves the sandbox of an envd request and checks its access token (unless
-/// `token_exempt`: envd's `/health`).
+/// How an envd request to a secure sandbox proves that it may reach it.
+pub enum Access<'a> {
+    /// No proof (`/health`).
+    Exempt,
+    /// The sandbox's access token in `X-Access-Token`.
+    Token,
+    /// The token, or else a signature of the file operation made with it (`/files`, the
+    /// SDK's `upload_url` and `download_url`).
+    TokenOrSignature(&'a FileSignature),
+}
+
+/// What a signed `/files` URL signs: envd's v1 signature is
+/// `v1_` + unpadded base64 of SHA-256 over `path:operation:username:token[:expiration]`.
+pub struct FileSignature {
+    pub path: String,
+    /// `read` (GET) or `write` (POST).
+    pub operation: &'static str,
+    pub username: String,
+    pub signature: Option<String>,
+    pub expiration: Option<String>,
+}
+
+impl FileSignature {
+    fn of(query: &QueryPairs, path: &str, operation: &'static str) -> Self {
+        FileSignature {
+            path: path.to_owned(),
+            operation,
+            username: query.get("username").unwrap_or_default().to_owned(),
+            signature: query.get("signature").map(str::to_owned),
+            expiration: query.get("signature_expiration").map(str::to_owned),
+        }
+    }
+
+    /// Why the signature does not admit the request, if it does not.
+    fn check(&self, token: &str, now_unix: i64) -> Result<(), &'static str> {
+        let Some(given) = &self.signature else {
+            return Err("invalid or missing access token (X-Access-Token) or signature");
+        };
+        let mut raw = format!("{}:{}:{}:{token}", self.path, self.operation, self.username);
+        let expiration = match &self.expiration {
+            None => None,
+            Some(e) => Some(
+                e.parse::<i64>()
+                    .map_err(|_| "signature_expiration is not a number")?,
+            ),
+        };
+        if let Some(e) = expiration {
+            raw.push_str(&format!(":{e}"));
+        }
+        use base64::Engine as _;
+        use sha2::Digest as _;
+        let expected = format!(
+            "v1_{}",
+            base64::engine::general_purpose::STANDARD_NO_PAD.encode(sha2::Sha256::digest(raw))
+        );
+        if !constant_time_eq(expected.as_bytes(), given.as_bytes()) {
+            return Err("invalid signature");
+        }
+        if expiration.is_some_and(|e| e < now_unix) {
+            return Err("signature is already expired");
+        }
+        Ok(())
+    }
+}
+
+/// Resolves the sandbox of an envd request and checks that it may reach it (`access`).
 pub async fn sandbox_for(
     state: &AppState,
     headers: &HeaderMap,
-    token_exempt: bool,
+    access: Access<'_>,
 ) -> Result<EnvdSandbox, EnvdError> {
     let Some((id, port)) = route_of(headers) else {
         return Err(EnvdError::new(
@@ -183,17 +259,30 @@ pub async fn sandbox_for(
         return Err(not_found());
     }
     let e2b = e2b_state(&rec);
-    if !token_exempt && e2b.secure && !state.config.defects.has(Defect::E2bAccessTokenUnchecked) {
-        let given = headers
-            .get("x-access-token")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
+    let checked = !matches!(access, Access::Exempt)
+        && e2b.secure
+        && !state.config.defects.has(Defect::E2bAccessTokenUnchecked);
+    if checked {
+        let given = headers.get("x-access-token").and_then(|v| v.to_str().ok());
         let expected = e2b.access_token.as_deref().unwrap_or("");
-        if expected.is_empty() || !constant_time_eq(given.as_bytes(), expected.as_bytes()) {
-            return Err(EnvdError::new(
-                StatusCode::UNAUTHORIZED,
-                "invalid or missing access token (X-Access-Token)",
-            ));
+        let unauthorized = |why: &str| EnvdError::new(StatusCode::UNAUTHORIZED, why);
+        match (given, &access) {
+            _ if expected.is_empty() => {
+                return Err(unauthorized("the sandbox has no access token"));
+            }
+            (Some(given), _) => {
+                if !constant_time_eq(given.as_bytes(), expected.as_bytes()) {
+                    return Err(unauthorized("invalid access token (X-Access-Token)"));
+                }
+            }
+            (None, Access::TokenOrSignature(signed)) => {
+                signed
+                    .check(expected, time::OffsetDateTime::now_utc().unix_timestamp())
+                    .map_err(unauthorized)?;
+            }
+            (None, _) => {
+                return Err(unauthorized("missing access token (X-Access-Token)"));
+            }
         }
     }
     let (provider, local) = split(&rec.id).map_err(|e| EnvdError::from(ConnectError::from(e)))?;
@@ -255,52 +344,189 @@ pub async fn blocking<T: Send + 'static, E: Send + 'static + From<ConnectError>>
 
 /// `GET /health`: 204 while the sandbox runs.
 pub async fn health(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    match sandbox_for(&state, &headers, true).await {
+    match sandbox_for(&state, &headers, Access::Exempt).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }
 
 /// `GET /envs`: the sandbox's environment variables.
-pub async fn envs(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    match sandbox_for(&state, &headers, false).await {
-        Ok(sbx) => Json(sbx.env()).into_response(),
-        Err(e) => e.into_response(),
+pub async fn envs(sbx: EnvdSandbox) -> Response {
+    Json(sbx.env()).into_response()
+}
+
+/// The encoding of a download: gzip when the client's `Accept-Encoding` takes it at least as
+/// gladly as the identity, as envd chooses; `None` when it takes neither (406).
+fn download_encoding(headers: &HeaderMap) -> Option<&'static str> {
+    let Some(accept) = headers
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.trim().is_empty())
+    else {
+        return Some("identity");
+    };
+    let (mut gzip, mut identity, mut any) = (None, None, None);
+    for item in accept.split(',') {
+        let mut parts = item.split(';');
+        let name = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| {
+                p.trim()
+                    .strip_prefix("q=")
+                    .and_then(|q| q.parse::<f64>().ok())
+            })
+            .next()
+            .unwrap_or(1.0);
+        match name.as_str() {
+            "gzip" => gzip = Some(q),
+            "identity" => identity = Some(q),
+            "*" => any = Some(q),
+            _ => {}
+        }
+    }
+    let gzip = gzip.or(any).unwrap_or(0.0);
+    // The identity is acceptable unless refused by name, or by `*;q=0` without its name.
+    let identity = identity.unwrap_or(if any == Some(0.0) { 0.0 } else { 1.0 });
+    match (gzip > 0.0, identity > 0.0) {
+        (true, _) if gzip >= identity => Some("gzip"),
+        (_, true) => Some("identity"),
+        (true, false) => Some("gzip"),
+        (false, false) => None,
     }
 }
 
-/// `GET /files?path=`: the file's bytes.
+/// `GET /files?path=`: the file's bytes, gzip-compressed when the client asks for it.
 pub async fn read_file(
     State(state): State<AppState>,
     headers: HeaderMap,
     query: QueryPairs,
 ) -> Result<Response, EnvdError> {
-    let sbx = sandbox_for(&state, &headers, false).await?;
-    let path = query
-        .get("path")
-        .ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?;
-    let rel = to_rel(path)?;
+    let path = query.get("path").unwrap_or_default().to_owned();
+    let signed = FileSignature::of(&query, &path, "read");
+    let sbx = sandbox_for(&state, &headers, Access::TokenOrSignature(&signed)).await?;
+    if path.is_empty() {
+        return Err(EnvdError::new(StatusCode::BAD_REQUEST, "path is required"));
+    }
+    let encoding = download_encoding(&headers).ok_or_else(|| {
+        EnvdError::new(
+            StatusCode::NOT_ACCEPTABLE,
+            "Accept-Encoding takes neither gzip nor identity",
+        )
+    })?;
+    let rel = to_rel(&path)?;
     let files = sbx.files()?;
-    let bytes = blocking(move || Ok::<_, EnvdError>(files.read(&rel)?)).await?;
+    let bytes = blocking(move || {
+        let bytes = files.read(&rel)?;
+        if encoding == "gzip" {
+            use std::io::Write as _;
+            let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            gz.write_all(&bytes)
+                .and_then(|()| gz.finish())
+                .map_err(|e| EnvdError::from(FileError::Io(e)))
+        } else {
+            Ok::<_, EnvdError>(bytes)
+        }
+    })
+    .await?;
     let mut response = Response::new(Body::from(bytes));
-    response.headers_mut().insert(
+    let h = response.headers_mut();
+    h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if encoding == "gzip" {
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    }
     Ok(response)
+}
+
+/// The user metadata of an upload: each `X-Metadata-<key>` header, its key lowercased,
+/// checked as envd checks it (a key and value of printable ASCII, a key not empty, at most
+/// 4096 bytes with the attribute names).
+fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, EnvdError> {
+    const MAX_TOTAL: usize = 4096;
+    let invalid =
+        |why: String| EnvdError::new(StatusCode::BAD_REQUEST, format!("invalid metadata: {why}"));
+    let printable = |s: &[u8]| s.iter().all(|b| (0x20..=0x7e).contains(b));
+    let mut out = BTreeMap::new();
+    let mut total = 0;
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        if key.is_empty() {
+            return Err(invalid("a metadata key is empty".into()));
+        }
+        if !printable(key.as_bytes()) || !printable(value.as_bytes()) {
+            return Err(invalid(format!(
+                "the value of {key} is not printable ASCII"
+            )));
+        }
+        let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+        total += super::filesystem::METADATA_PREFIX.len() + key.len() + value.len();
+        out.entry(key.to_owned()).or_insert(value);
+    }
+    if total > MAX_TOTAL {
+        return Err(invalid(format!("{total} bytes exceed {MAX_TOTAL}")));
+    }
+    Ok(out)
+}
+
+/// The request body, decompressed when `Content-Encoding` is gzip; at most `limit` bytes
+/// either way.
+async fn upload_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Vec<u8>, EnvdError> {
+    let encoding = headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("identity")
+        .trim()
+        .to_ascii_lowercase();
+    let raw = read_body(headers, body, limit)
+        .await
+        .map_err(|e| EnvdError::from(ConnectError::from(e)))?;
+    match encoding.as_str() {
+        "" | "identity" => Ok(raw.to_vec()),
+        "gzip" => {
+            use std::io::Read as _;
+            let mut out = Vec::new();
+            let read = flate2::read::GzDecoder::new(&raw[..])
+                .take(limit + 1)
+                .read_to_end(&mut out);
+            match read {
+                Ok(n) if n as u64 > limit => Err(EnvdError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("uploads are at most {limit} bytes"),
+                )),
+                Ok(_) => Ok(out),
+                Err(e) => Err(EnvdError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("error decompressing request body: {e}"),
+                )),
+            }
+        }
+        other => Err(EnvdError::new(
+            StatusCode::BAD_REQUEST,
+            format!("unsupported Content-Encoding: {other}, supported: gzip"),
+        )),
+    }
 }
 
 /// `POST /files?path=`: an `application/octet-stream` body is the file at `path`; a
 /// `multipart/form-data` body holds one or more `file` parts, each written to `path` (when
-/// there is one part and `path` is given) or to the part's file name. The answer lists what
-/// was written.
+/// there is one part and `path` is given) or to the part's file name. Either may be gzip
+/// compressed (`Content-Encoding`); `X-Metadata-*` headers become each file's metadata,
+/// replacing what it had. The answer lists what was written.
 pub async fn write_file(
     State(state): State<AppState>,
     query: QueryPairs,
     request: Request,
 ) -> Result<Response, EnvdError> {
     let headers = request.headers().clone();
-    let sbx = sandbox_for(&state, &headers, false).await?;
+    let path = query.get("path").map(str::to_owned);
+    let signed = FileSignature::of(&query, path.as_deref().unwrap_or(""), "write");
+    let sbx = sandbox_for(&state, &headers, Access::TokenOrSignature(&signed)).await?;
+    let metadata = upload_metadata(&headers)?;
     let limit = state.config.limits.max_file_bytes;
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -309,10 +535,12 @@ pub async fn write_file(
         .to_ascii_lowercase();
     let mut writes: Vec<(String, Vec<u8>)> = Vec::new();
     if content_type.starts_with("multipart/form-data") {
+        let (parts, body) = request.into_parts();
+        let body = upload_body(&headers, body, limit).await?;
+        let request = Request::from_parts(parts, Body::from(body));
         let mut multipart = axum::extract::Multipart::from_request(request, &state)
             .await
             .map_err(|e| EnvdError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
-        let mut total = 0u64;
         while let Some(field) = multipart
             .next_field()
             .await
@@ -329,16 +557,9 @@ pub async fn write_file(
                 .bytes()
                 .await
                 .map_err(|e| EnvdError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
-            total += data.len() as u64;
-            if total > limit {
-                return Err(EnvdError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("uploads are at most {limit} bytes"),
-                ));
-            }
             writes.push((name.unwrap_or_default(), data.to_vec()));
         }
-        match (query.get("path"), writes.len()) {
+        match (&path, writes.len()) {
             (_, 0) => {
                 return Err(EnvdError::new(
                     StatusCode::BAD_REQUEST,
@@ -355,24 +576,10 @@ pub async fn write_file(
             ));
         }
     } else if content_type.starts_with("application/octet-stream") {
-        let encoding = headers
-            .get(header::CONTENT_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("identity");
-        if !encoding.trim().eq_ignore_ascii_case("identity") {
-            return Err(EnvdError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "Content-Encoding is not supported",
-            ));
-        }
-        let path = query
-            .get("path")
-            .ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?
-            .to_owned();
-        let bytes = read_body(&headers, request.into_body(), limit)
-            .await
-            .map_err(|e| EnvdError::from(ConnectError::from(e)))?;
-        writes.push((path, bytes.to_vec()));
+        let path =
+            path.ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?;
+        let bytes = upload_body(&headers, request.into_body(), limit).await?;
+        writes.push((path, bytes));
     } else {
         return Err(EnvdError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -382,9 +589,13 @@ pub async fn write_file(
     let mangle = state.config.defects.has(Defect::E2bFileBytesAltered);
     let files = sbx.files()?;
     let written = blocking(move || {
+        // Every path is checked before anything is written: a bad one changes nothing.
+        let writes = writes
+            .into_iter()
+            .map(|(path, bytes)| Ok((to_rel(&path)?, bytes)))
+            .collect::<Result<Vec<_>, FileError>>()?;
         let mut out = Vec::new();
-        for (path, bytes) in writes {
-            let rel = to_rel(&path)?;
+        for (rel, bytes) in writes {
             let bytes = if mangle {
                 // The defect: the upload is taken as text, so bytes that are not UTF-8 change.
                 String::from_utf8_lossy(&bytes).into_owned().into_bytes()
@@ -392,13 +603,19 @@ pub async fn write_file(
                 bytes
             };
             let outcome = files.write(&rel, &bytes)?;
+            files.set_attributes(&outcome.path, super::filesystem::METADATA_PREFIX, &metadata)?;
             let name = outcome
                 .path
                 .rsplit('/')
                 .next()
                 .unwrap_or_default()
                 .to_owned();
-            out.push(json!({"name": name, "type": "file", "path": to_e2b(&outcome.path)}));
+            let mut entry = json!({"name": name, "type": "file", "path": to_e2b(&outcome.path)});
+            let stored = files.attributes(&outcome.path, super::filesystem::METADATA_PREFIX)?;
+            if !stored.is_empty() {
+                entry["metadata"] = json!(stored);
+            }
+            out.push(entry);
         }
         Ok::<_, EnvdError>(out)
     })

@@ -20,10 +20,10 @@ use serde_json::{Value, json};
 
 use crate::api::AppState;
 use crate::defects::Defect;
-use crate::sandbox::{EntryStat, FileError, SandboxFiles};
+use crate::sandbox::{FileError, SandboxFiles};
 
 use super::connect::{self, Code, ConnectError};
-use super::envd::{self, EnvdSandbox, blocking, to_e2b, to_rel};
+use super::envd::{EnvdSandbox, blocking, to_e2b, to_rel};
 
 /// How often a WatchDir stream looks at its directory.
 const WATCH_POLL: Duration = Duration::from_millis(200);
@@ -85,12 +85,13 @@ fn file_type(kind: &str) -> &'static str {
     }
 }
 
-/// `ls -l` style permissions of a mode.
+/// The permissions string of an entry as envd writes it (Go's `FileMode.String` of the entry
+/// itself): the type letter (`d` directory, `L` symlink, `-` file), then `rwx` three times.
 fn permissions(kind: &str, mode: u32) -> String {
     let mut out = String::with_capacity(10);
     out.push(match kind {
         "dir" => 'd',
-        "symlink" => 'l',
+        "symlink" => 'L',
         _ => '-',
     });
     for shift in [6, 3, 0] {
@@ -102,24 +103,34 @@ fn permissions(kind: &str, mode: u32) -> String {
     out
 }
 
-/// `EntryInfo` of the entry at root-relative `rel`.
-fn entry_info(rel: &str, stat: &EntryStat) -> Value {
+/// The extended-attribute namespace of an entry's user metadata (envd 0.6.2 and later).
+pub const METADATA_PREFIX: &str = "user.e2b.";
+
+/// `EntryInfo` of the entry at root-relative `rel`, as envd describes it: the entry's own
+/// name, size and permissions string, but for a symlink the type and `mode` (permission bits
+/// only, no file-type bits) of what it leads to and its resolved target as an absolute path;
+/// the user metadata from its `user.e2b.*` extended attributes.
+pub fn entry_info(files: &SandboxFiles, rel: &str) -> Result<Value, FileError> {
+    let stat = files.stat(rel)?;
     let name = rel.rsplit('/').next().unwrap_or_default();
     let name = if rel.is_empty() { "user" } else { name };
-    let type_bits = match stat.kind {
-        "dir" => 0o040000,
-        "symlink" => 0o120000,
-        _ => 0o100000,
+    let (kind, mode, target) = if stat.kind == "symlink" {
+        match files.resolve(rel) {
+            Ok((resolved, to)) => (to.kind, to.mode & 0o777, Some(to_e2b(&resolved))),
+            // A dangling link: its type is unknown upstream; here it stays a symlink.
+            Err(_) => ("symlink", 0, Some(to_e2b(rel))),
+        }
+    } else {
+        (stat.kind, stat.mode & 0o777, None)
     };
-    let mode = (stat.mode & 0o7777) | type_bits;
     let mut out = json!({
         "name": name,
-        "type": file_type(stat.kind),
+        "type": file_type(kind),
         "path": to_e2b(rel),
         // int64 is a string in protobuf's JSON mapping.
         "size": stat.size.to_string(),
         "mode": mode,
-        "permissions": permissions(stat.kind, mode),
+        "permissions": permissions(stat.kind, stat.mode),
         "owner": "user",
         "group": "user",
     });
@@ -129,17 +140,18 @@ fn entry_info(rel: &str, stat: &EntryStat) -> Value {
             out["modifiedTime"] = json!(text);
         }
     }
-    if let Some(target) = &stat.symlink_target {
+    if let Some(target) = target {
         out["symlinkTarget"] = json!(target);
-        out["isSymlink"] = json!(true);
     }
-    out
-}
-
-async fn resolve(state: &AppState, headers: &HeaderMap) -> Result<EnvdSandbox, Response> {
-    envd::sandbox_for(state, headers, false)
-        .await
-        .map_err(IntoResponse::into_response)
+    let metadata = if kind == "symlink" {
+        Default::default()
+    } else {
+        files.attributes(rel, METADATA_PREFIX).unwrap_or_default()
+    };
+    if !metadata.is_empty() {
+        out["metadata"] = json!(metadata);
+    }
+    Ok(out)
 }
 
 fn unary(result: Result<Value, ConnectError>) -> Response {
@@ -151,15 +163,11 @@ fn unary(result: Result<Value, ConnectError>) -> Response {
 
 /// One unary call: resolve the sandbox, decode the request, run `f` on its files off the
 /// async workers.
-async fn call<R, F>(state: &AppState, headers: &HeaderMap, body: &Bytes, f: F) -> Response
+async fn call<R, F>(sbx: EnvdSandbox, headers: &HeaderMap, body: &Bytes, f: F) -> Response
 where
     R: serde::de::DeserializeOwned + Send + 'static,
     F: FnOnce(&SandboxFiles, R) -> Result<Value, ConnectError> + Send + 'static,
 {
-    let sbx = match resolve(state, headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let result = async {
         let req: R = connect::unary_request(headers, body)?;
         let files = sbx.files()?;
@@ -175,11 +183,12 @@ fn not_found_as(e: FileError, what: &str) -> ConnectError {
     }
 }
 
-pub async fn stat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    call(&state, &headers, &body, |files, req: PathRequest| {
+pub async fn stat(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
+    call(sbx, &headers, &body, |files, req: PathRequest| {
         let rel = to_rel(&req.path)?;
-        let stat = files.stat(&rel).map_err(|e| not_found_as(e, "path"))?;
-        Ok(json!({"entry": entry_info(&normalized(&rel), &stat)}))
+        let rel = normalized(&rel);
+        let entry = entry_info(files, &rel).map_err(|e| not_found_as(e, "path"))?;
+        Ok(json!({ "entry": entry }))
     })
     .await
 }
@@ -192,76 +201,112 @@ fn normalized(rel: &str) -> String {
         .join("/")
 }
 
-pub async fn list_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    call(&state, &headers, &body, |files, req: ListDirRequest| {
+/// `a/b` from `a` and `b`, either of which may be empty.
+fn join(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_owned(),
+        (_, true) => a.to_owned(),
+        _ => format!("{a}/{b}"),
+    }
+}
+
+/// The entries below `dir/sub`, depth first in name order as envd's `filepath.WalkDir`, down
+/// to `depth` levels below `dir`; each named by its path below `requested` (the path the
+/// client gave, which may be a symlink to `dir`).
+fn walk(
+    files: &SandboxFiles,
+    dir: &str,
+    requested: &str,
+    sub: &str,
+    depth: usize,
+    out: &mut Vec<Value>,
+) -> Result<(), ConnectError> {
+    let level = if sub.is_empty() {
+        1
+    } else {
+        sub.split('/').count() + 1
+    };
+    let entries = match files.list(&join(dir, sub)) {
+        Ok(entries) => entries,
+        // Gone while listing.
+        Err(FileError::NotFound) if !sub.is_empty() => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    for entry in entries {
+        let child = join(sub, &entry.name);
+        let Ok(mut info) = entry_info(files, &join(dir, &child)) else {
+            continue;
+        };
+        info["path"] = json!(to_e2b(&join(requested, &child)));
+        out.push(info);
+        if entry.kind == "dir" && level < depth {
+            walk(files, dir, requested, &child, depth, out)?;
+        }
+    }
+    Ok(())
+}
+
+pub async fn list_dir(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
+    call(sbx, &headers, &body, |files, req: ListDirRequest| {
         let rel = normalized(&to_rel(&req.path)?);
-        let depth = req.depth.max(1);
-        match files.stat(&rel).map_err(|e| not_found_as(e, "directory"))? {
-            s if s.kind == "dir" => {}
+        let depth = req.depth.max(1) as usize;
+        let dir = match files
+            .resolve(&rel)
+            .map_err(|e| not_found_as(e, "directory"))?
+        {
+            (dir, s) if s.kind == "dir" => dir,
             _ => return Err(ConnectError::invalid("path is not a directory")),
-        }
+        };
         let mut entries = Vec::new();
-        let mut level = vec![rel];
-        for _ in 0..depth {
-            let mut next = Vec::new();
-            for dir in level {
-                for entry in files.list(&dir)? {
-                    let child = if dir.is_empty() {
-                        entry.name.clone()
-                    } else {
-                        format!("{dir}/{}", entry.name)
-                    };
-                    let stat = files.stat(&child)?;
-                    entries.push(entry_info(&child, &stat));
-                    if stat.kind == "dir" {
-                        next.push(child);
-                    }
-                }
-            }
-            level = next;
-        }
+        walk(files, &dir, &rel, "", depth, &mut entries)?;
         Ok(json!({ "entries": entries }))
     })
     .await
 }
 
-pub async fn make_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    call(&state, &headers, &body, |files, req: PathRequest| {
+pub async fn make_dir(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
+    call(sbx, &headers, &body, |files, req: PathRequest| {
         let rel = normalized(&to_rel(&req.path)?);
-        if rel.is_empty() || !files.make_dir(&rel)? {
+        let created = match files.make_dir(&rel) {
+            Ok(created) => !rel.is_empty() && created,
+            Err(FileError::WrongKind) => {
+                return Err(ConnectError::invalid(
+                    "the path already exists but is not a directory",
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !created {
             return Err(ConnectError::new(
                 Code::AlreadyExists,
                 "the directory already exists",
             ));
         }
-        let stat = files.stat(&rel)?;
-        Ok(json!({"entry": entry_info(&rel, &stat)}))
+        Ok(json!({ "entry": entry_info(files, &rel)? }))
     })
     .await
 }
 
-pub async fn move_entry(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    call(&state, &headers, &body, |files, req: MoveRequest| {
+pub async fn move_entry(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
+    call(sbx, &headers, &body, |files, req: MoveRequest| {
         let from = normalized(&to_rel(&req.source)?);
         let to = normalized(&to_rel(&req.destination)?);
         files
             .rename(&from, &to)
             .map_err(|e| not_found_as(e, "source"))?;
-        let stat = files.stat(&to)?;
-        Ok(json!({"entry": entry_info(&to, &stat)}))
+        Ok(json!({ "entry": entry_info(files, &to)? }))
     })
     .await
 }
 
-pub async fn remove(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    call(&state, &headers, &body, |files, req: PathRequest| {
+pub async fn remove(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
+    call(sbx, &headers, &body, |files, req: PathRequest| {
         let rel = to_rel(&req.path)?;
-        files.delete(&rel).map_err(|e| not_found_as(e, "path"))?;
-        Ok(json!({}))
+        // envd removes with os.RemoveAll: a path that is not there is already removed.
+        match files.delete(&rel) {
+            Ok(()) | Err(FileError::NotFound) => Ok(json!({})),
+            Err(e) => Err(e.into()),
+        }
     })
     .await
 }
@@ -349,8 +394,8 @@ fn event_json(
         } else {
             format!("{dir}/{name}")
         };
-        if let Ok(stat) = files.stat(&rel) {
-            event["entry"] = entry_info(&rel, &stat);
+        if let Ok(entry) = entry_info(files, &rel) {
+            event["entry"] = entry;
         }
     }
     event
@@ -366,11 +411,12 @@ fn watched_dir(files: &SandboxFiles, path: &str) -> Result<String, ConnectError>
 }
 
 /// `WatchDir`: `start`, then a `filesystem` event per change until the client goes away.
-pub async fn watch_dir(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
+pub async fn watch_dir(
+    State(state): State<AppState>,
+    sbx: EnvdSandbox,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let setup = async {
         let req: WatchRequest = connect::stream_request(&headers, &body)?;
         let _ = req.allow_network_mounts;
@@ -464,15 +510,7 @@ fn watchers() -> std::sync::MutexGuard<'static, Option<HashMap<String, Watcher>>
     WATCHERS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub async fn create_watcher(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
+pub async fn create_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
     let sandbox = sbx.rec.id.clone();
     let result = async {
         let req: WatchRequest = connect::unary_request(&headers, &body)?;
@@ -509,13 +547,10 @@ pub async fn create_watcher(
 
 pub async fn get_watcher_events(
     State(state): State<AppState>,
+    sbx: EnvdSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let result = async {
         let req: WatcherRequest = connect::unary_request(&headers, &body)?;
         let (dir, recursive, include, old) = {
@@ -554,15 +589,7 @@ pub async fn get_watcher_events(
     unary(result.await)
 }
 
-pub async fn remove_watcher(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
+pub async fn remove_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
     let result = async {
         let req: WatcherRequest = connect::unary_request(&headers, &body)?;
         let mut all = watchers();
@@ -612,5 +639,6 @@ mod tests {
     fn permissions_read_like_ls() {
         assert_eq!(permissions("file", 0o100644), "-rw-r--r--");
         assert_eq!(permissions("dir", 0o040755), "drwxr-xr-x");
+        assert_eq!(permissions("symlink", 0o120777), "Lrwxrwxrwx");
     }
 }

@@ -14,8 +14,34 @@ const ULID_LEN: usize = 26;
 
 /// The E2B ID of the stored sandbox `qualified`, if it has one.
 pub fn to_e2b(providers: &[String], qualified: &str) -> Option<String> {
+    encode(providers, qualified, "sbx_", "")
+}
+
+/// The qualified ID an E2B ID names, if it is well formed and its provider exists.
+pub fn from_e2b(providers: &[String], e2b: &str) -> Option<String> {
+    decode(providers, e2b, "sbx_", "")
+}
+
+/// The E2B snapshot ID of the stored snapshot `qualified` (`<provider>:snp_<ulid>`):
+/// `snp_<ulid>` and the provider's index as for sandboxes. Snapshots are templates upstream,
+/// so the prefix keeps them apart from template names such as `base`.
+pub fn snapshot_to_e2b(providers: &[String], qualified: &str) -> Option<String> {
+    encode(providers, qualified, "snp_", "snp_")
+}
+
+/// The qualified snapshot ID an E2B snapshot ID names.
+pub fn snapshot_from_e2b(providers: &[String], e2b: &str) -> Option<String> {
+    decode(providers, e2b, "snp_", "snp_")
+}
+
+fn encode(
+    providers: &[String],
+    qualified: &str,
+    local_prefix: &str,
+    prefix: &str,
+) -> Option<String> {
     let (provider, local) = qualified.split_once(':')?;
-    let ulid = local.strip_prefix("sbx_")?;
+    let ulid = local.strip_prefix(local_prefix)?;
     if ulid.len() != ULID_LEN
         || !ulid
             .bytes()
@@ -24,13 +50,13 @@ pub fn to_e2b(providers: &[String], qualified: &str) -> Option<String> {
         return None;
     }
     match providers.iter().position(|p| p == provider)? {
-        0 => Some(ulid.to_owned()),
-        index => Some(format!("{ulid}{index}")),
+        0 => Some(format!("{prefix}{ulid}")),
+        index => Some(format!("{prefix}{ulid}{index}")),
     }
 }
 
-/// The qualified ID an E2B ID names, if it is well formed and its provider exists.
-pub fn from_e2b(providers: &[String], e2b: &str) -> Option<String> {
+fn decode(providers: &[String], e2b: &str, local_prefix: &str, prefix: &str) -> Option<String> {
+    let e2b = e2b.strip_prefix(prefix)?;
     if e2b.len() < ULID_LEN || !e2b.is_ascii() {
         return None;
     }
@@ -49,7 +75,7 @@ pub fn from_e2b(providers: &[String], e2b: &str) -> Option<String> {
         _ => return None,
     };
     let provider = providers.get(index)?;
-    Some(QualifiedId::new(provider, format!("sbx_{ulid}")).to_string())
+    Some(QualifiedId::new(provider, format!("{local_prefix}{ulid}")).to_string())
 }
 
 #[cfg(test)]
@@ -89,5 +115,14 @@ mod tests {
         ] {
             assert_eq!(from_e2b(&providers, bad), None, "{bad}");
         }
+        let snapshot = "local-b:snp_01jf0000000000000000000000";
+        let e2b = snapshot_to_e2b(&providers, snapshot).unwrap();
+        assert_eq!(e2b, "snp_01jf00000000000000000000001");
+        assert_eq!(
+            snapshot_from_e2b(&providers, &e2b).as_deref(),
+            Some(snapshot)
+        );
+        assert_eq!(from_e2b(&providers, &e2b), None);
+        assert_eq!(snapshot_from_e2b(&providers, ulid), None);
     }
 }

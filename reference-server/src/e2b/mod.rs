@@ -11,6 +11,7 @@
 //!   envelopes, error codes.
 //! - [`envd`]: routing envd requests to a sandbox (headers or host), the access token of
 //!   secure sandboxes, path mapping, and the plain HTTP endpoints.
+//! - [`templates`]: snapshots (templates upstream) and forks.
 //! - [`process`] and [`filesystem`]: the two Connect services.
 //!
 //! What the upstream contract is and which parts are served is in `docs/profiles/e2b.md`.
@@ -21,9 +22,10 @@ pub mod envd;
 pub mod filesystem;
 pub mod ids;
 pub mod process;
+pub mod templates;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 
 use crate::api::AppState;
 
@@ -36,7 +38,16 @@ pub fn routes() -> Router<AppState> {
             "/v2/sandboxes",
             post(control::create_v2).get(control::list_v2),
         )
+        .route("/sandboxes/metrics", get(control::metrics_many))
         .route("/sandboxes/{id}", get(control::get).delete(control::kill))
+        .route("/sandboxes/{id}/metrics", get(control::metrics))
+        .route(
+            "/sandboxes/{id}/snapshots",
+            post(templates::create_snapshot),
+        )
+        .route("/sandboxes/{id}/fork", post(templates::fork))
+        .route("/snapshots", get(templates::list_snapshots))
+        .route("/templates/{id}", delete(templates::delete_template))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))
         .route("/sandboxes/{id}/refreshes", post(control::refresh))
         .route("/sandboxes/{id}/pause", post(control::pause))

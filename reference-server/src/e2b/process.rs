@@ -165,12 +165,6 @@ async fn select(
     found.ok_or_else(|| ConnectError::not_found("process not found"))
 }
 
-async fn resolve(state: &AppState, headers: &HeaderMap) -> Result<EnvdSandbox, Response> {
-    envd::sandbox_for(state, headers, false)
-        .await
-        .map_err(axum::response::IntoResponse::into_response)
-}
-
 /// The `end` event of a process from its exit: upstream reports a process ended by a signal
 /// with `exited: false`, exit code -1 and Go's status text.
 fn end_event(state: &str, exit_code: Option<i64>, signal: Option<&str>) -> Value {
@@ -303,11 +297,12 @@ async fn pump(
 }
 
 /// `Start`: runs a command and streams `start{pid}`, its output and `end`.
-pub async fn start(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
+pub async fn start(
+    State(state): State<AppState>,
+    sbx: EnvdSandbox,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     match start_process(&state, &sbx, &headers, &body).await {
         Err(e) => connect::stream_error(e),
         Ok((rec, pid)) => {
@@ -452,13 +447,10 @@ async fn start_process(
 /// on and its `end`; for a process that has already ended, `start` and `end` at once.
 pub async fn connect_process(
     State(state): State<AppState>,
+    sbx: EnvdSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let attach = async {
         let req: SelectorRequest = connect::stream_request(&headers, &body)?;
         let found = select(&state, &sbx, req.process).await?;
@@ -512,11 +504,12 @@ pub async fn connect_process(
 }
 
 /// `List`: the sandbox's running processes.
-pub async fn list(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
+pub async fn list(
+    State(state): State<AppState>,
+    sbx: EnvdSandbox,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let result = async {
         let _: ListRequest = connect::unary_request(&headers, &body)?;
         let mut processes = Vec::new();
@@ -576,13 +569,10 @@ fn provider_error(e: ProviderError) -> ConnectError {
 /// `SendInput`: bytes to the process's stdin.
 pub async fn send_input(
     State(state): State<AppState>,
+    sbx: EnvdSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let result = async {
         let req: SendInputRequest = connect::unary_request(&headers, &body)?;
         let input = req
@@ -608,13 +598,10 @@ pub async fn send_input(
 /// `CloseStdin`: end of input for the process.
 pub async fn close_stdin(
     State(state): State<AppState>,
+    sbx: EnvdSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let result = async {
         let req: SelectorRequest = connect::unary_request(&headers, &body)?;
         let rec = running(&state, &sbx, req.process).await?;
@@ -634,13 +621,10 @@ pub async fn close_stdin(
 /// `SendSignal`: SIGTERM or SIGKILL (by enum name or number).
 pub async fn send_signal(
     State(state): State<AppState>,
+    sbx: EnvdSandbox,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let sbx = match resolve(&state, &headers).await {
-        Ok(sbx) => sbx,
-        Err(response) => return response,
-    };
     let result = async {
         let req: SendSignalRequest = connect::unary_request(&headers, &body)?;
         let signal = match req.signal.as_ref() {

@@ -338,6 +338,88 @@ impl SandboxFiles {
         }
     }
 
+    /// Where `path` leads once every symlink on the way is followed (none may lead out of
+    /// the root), as a root-relative path, and what is there. `NotFound` for a dangling link.
+    pub fn resolve(&self, path: &str) -> Result<(String, EntryStat), FileError> {
+        let rel = normalize(path)?;
+        let target = if rel.is_empty() { "." } else { rel.as_str() };
+        let resolved = match &self.access {
+            Access::Confined(dir) => dir.canonicalize(target).map_err(map_io)?,
+            Access::Joined(root) => {
+                let full = std::fs::canonicalize(root.join(target)).map_err(map_io)?;
+                let base = std::fs::canonicalize(root).map_err(map_io)?;
+                full.strip_prefix(&base)
+                    .map_err(|_| FileError::InvalidPath)?
+                    .to_owned()
+            }
+        };
+        let resolved = normalize(&resolved.to_string_lossy())?;
+        let stat = self.stat(&resolved)?;
+        Ok((resolved, stat))
+    }
+
+    /// The extended attributes of the entry at `path` (symlinks followed) whose names start
+    /// with `prefix`, by the rest of their name. Attributes whose name or value is not UTF-8
+    /// are left out; a file system without extended attributes has none.
+    pub fn attributes(
+        &self,
+        path: &str,
+        prefix: &str,
+    ) -> Result<std::collections::BTreeMap<String, String>, FileError> {
+        let fd = self.open_for_attributes(path)?;
+        let mut out = std::collections::BTreeMap::new();
+        for name in xattr::list(&fd)? {
+            let Some(key) = name.strip_prefix(prefix) else {
+                continue;
+            };
+            if let Some(value) = xattr::get(&fd, &name)?
+                && let Ok(value) = String::from_utf8(value)
+            {
+                out.insert(key.to_owned(), value);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the extended attributes named `prefix` + key of the entry at `path` with
+    /// `values`: keys not in `values` are removed.
+    pub fn set_attributes(
+        &self,
+        path: &str,
+        prefix: &str,
+        values: &std::collections::BTreeMap<String, String>,
+    ) -> Result<(), FileError> {
+        let fd = self.open_for_attributes(path)?;
+        for name in xattr::list(&fd)? {
+            if let Some(key) = name.strip_prefix(prefix)
+                && !values.contains_key(key)
+            {
+                xattr::remove(&fd, &name)?;
+            }
+        }
+        for (key, value) in values {
+            xattr::set(&fd, &format!("{prefix}{key}"), value.as_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// A descriptor of the entry at `path` (symlinks followed, confined to the root) that the
+    /// extended-attribute calls take.
+    fn open_for_attributes(&self, path: &str) -> Result<std::os::fd::OwnedFd, FileError> {
+        let rel = normalize(path)?;
+        let target = if rel.is_empty() { "." } else { rel.as_str() };
+        let is_dir = self.metadata(target)?.is_dir;
+        Ok(match (&self.access, is_dir) {
+            (Access::Confined(dir), true) => {
+                dir.open_dir(target).map_err(map_io)?.into_std_file().into()
+            }
+            (Access::Confined(dir), false) => dir.open(target).map_err(map_io)?.into_std().into(),
+            (Access::Joined(root), _) => std::fs::File::open(root.join(target))
+                .map_err(map_io)?
+                .into(),
+        })
+    }
+
     /// Metadata following symlinks (and refusing those that lead out).
     fn metadata(&self, rel: &str) -> Result<Meta, FileError> {
         let rel = if rel.is_empty() { "." } else { rel };
@@ -465,6 +547,102 @@ fn map_io(e: io::Error) -> FileError {
             Some(libc::ENAMETOOLONG) => FileError::InvalidPath,
             _ => FileError::Io(e),
         },
+    }
+}
+
+/// The extended-attribute system calls on a descriptor (`f*xattr`), in the `user.`
+/// namespace that unprivileged processes may use.
+mod xattr {
+    use std::ffi::CString;
+    use std::io;
+    use std::os::fd::{AsRawFd as _, OwnedFd};
+
+    fn name_of(name: &str) -> io::Result<CString> {
+        CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    }
+
+    /// Whether an error says that the file system keeps no extended attributes.
+    fn unsupported(e: &io::Error) -> bool {
+        e.raw_os_error() == Some(libc::ENOTSUP)
+    }
+
+    pub fn list(fd: &OwnedFd) -> io::Result<Vec<String>> {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            // SAFETY: the buffer is valid for its length; the descriptor is borrowed.
+            let n = unsafe { libc::flistxattr(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                break;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ERANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+                _ if unsupported(&e) => return Ok(Vec::new()),
+                _ => return Err(e),
+            }
+        }
+        Ok(buf
+            .split(|b| *b == 0)
+            .filter(|n| !n.is_empty())
+            .filter_map(|n| std::str::from_utf8(n).ok().map(str::to_owned))
+            .collect())
+    }
+
+    pub fn get(fd: &OwnedFd, name: &str) -> io::Result<Option<Vec<u8>>> {
+        let name = name_of(name)?;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            // SAFETY: as in `list`.
+            let n = unsafe {
+                libc::fgetxattr(
+                    fd.as_raw_fd(),
+                    name.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(Some(buf));
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ERANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+                Some(libc::ENODATA) => return Ok(None),
+                _ => return Err(e),
+            }
+        }
+    }
+
+    pub fn set(fd: &OwnedFd, name: &str, value: &[u8]) -> io::Result<()> {
+        let name = name_of(name)?;
+        // SAFETY: as in `list`.
+        let done = unsafe {
+            libc::fsetxattr(
+                fd.as_raw_fd(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if done == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    pub fn remove(fd: &OwnedFd, name: &str) -> io::Result<()> {
+        let name = name_of(name)?;
+        // SAFETY: as in `list`.
+        let done = unsafe { libc::fremovexattr(fd.as_raw_fd(), name.as_ptr()) };
+        if done == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::ENODATA) {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 }
 

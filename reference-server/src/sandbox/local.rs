@@ -672,6 +672,61 @@ impl LocalProvider {
         self.process(process_id)?.signal(sig)
     }
 
+    /// What the sandbox uses right now: the resident memory and the CPU time of the
+    /// processes in its cgroups (none are counted on a machine without cgroups), and the
+    /// bytes of its files.
+    pub async fn usage(&self, local: &str) -> Result<Usage, ProviderError> {
+        let runtime = self.runtime(local).await?;
+        let root = runtime.root.clone();
+        let pids = runtime
+            .cgroup
+            .as_ref()
+            .map(|cg| cg.tasks())
+            .unwrap_or_default();
+        tokio::task::spawn_blocking(move || {
+            // SAFETY: sysconf has no preconditions.
+            let (page, ticks) = unsafe {
+                (
+                    libc::sysconf(libc::_SC_PAGESIZE).max(1) as u64,
+                    libc::sysconf(libc::_SC_CLK_TCK).max(1) as f64,
+                )
+            };
+            let mut usage = Usage {
+                memory_bytes: 0,
+                cpu_seconds: 0.0,
+                disk_bytes: tree_bytes(&root),
+            };
+            for pid in pids {
+                let proc = PathBuf::from(format!("/proc/{pid}"));
+                if let Ok(statm) = std::fs::read_to_string(proc.join("statm"))
+                    && let Some(rss) = statm
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|n| n.parse::<u64>().ok())
+                {
+                    usage.memory_bytes += rss * page;
+                }
+                // utime and stime are fields 14 and 15; the command name before them may hold
+                // spaces, so fields are counted after its closing parenthesis.
+                if let Ok(stat) = std::fs::read_to_string(proc.join("stat"))
+                    && let Some((_, rest)) = stat.rsplit_once(')')
+                {
+                    let fields: Vec<&str> = rest.split_whitespace().collect();
+                    let time = |i: usize| {
+                        fields
+                            .get(i)
+                            .and_then(|n| n.parse::<u64>().ok())
+                            .unwrap_or(0)
+                    };
+                    usage.cpu_seconds += (time(11) + time(12)) as f64 / ticks;
+                }
+            }
+            usage
+        })
+        .await
+        .map_err(|e| ProviderError::Io(io::Error::other(e)))
+    }
+
     /// Files of one sandbox, confined to its root. What they create belongs to the
     /// sandbox's uid when it has one of its own.
     pub fn files(&self, local: &str) -> Result<SandboxFiles, ProviderError> {
@@ -1033,6 +1088,34 @@ fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
         }
     }
     std::fs::set_permissions(dst, std::fs::metadata(src)?.permissions())
+}
+
+/// What a sandbox uses at one moment ([`LocalProvider::usage`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    pub memory_bytes: u64,
+    /// CPU time its live processes have used since they started.
+    pub cpu_seconds: f64,
+    pub disk_bytes: u64,
+}
+
+/// The bytes of the files below `dir` (symlinks not followed); what cannot be read counts 0.
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut pending = vec![dir.to_owned()];
+    while let Some(d) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            match entry.metadata() {
+                Ok(m) if m.is_dir() => pending.push(entry.path()),
+                Ok(m) if m.is_file() => total += m.len(),
+                _ => {}
+            }
+        }
+    }
+    total
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ mod provider;
 
 pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
 pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
-pub use local::{Isolation, IsolationReport, LocalProvider};
+pub use local::{Isolation, IsolationReport, LocalProvider, Usage};
 pub use provider::{ProviderError, Signal};
 
 use std::collections::BTreeMap;
