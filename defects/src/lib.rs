@@ -185,6 +185,30 @@ pub enum Defect {
     E2bAutoPauseIgnored,
     /// envd processes do not get the `envVars` the sandbox was created with.
     E2bEnvVarsDropped,
+    /// E2B control plane: a request without an API key is taken as the first team's.
+    E2bMissingKeyAccepted,
+    /// E2B `GET /sandboxes` and `GET /v2/sandboxes` list every team's sandboxes.
+    E2bListShowsOtherTeams,
+    /// E2B `GET /v2/sandboxes` ignores `nextToken`: every page is the first.
+    E2bNextTokenIgnored,
+    /// E2B `GET /v2/sandboxes` ignores `order=asc`: always newest first.
+    E2bListOrderIgnored,
+    /// E2B: a sandbox created from a snapshot starts with empty files.
+    E2bSnapshotWithoutFiles,
+    /// E2B `POST /sandboxes/{id}/fork` makes one fork whatever `count` asks.
+    E2bForkCountIgnored,
+    /// envd `EntryInfo.mode` carries the file-type bits (`0o100644`) beside the permissions.
+    E2bModeWithTypeBits,
+    /// envd `Remove` of a path that is not there is `not_found` instead of done.
+    E2bRemoveMissingNotFound,
+    /// envd `POST /files` stores a gzip-encoded upload without decoding it.
+    E2bGzipUploadStoredCompressed,
+    /// envd `POST /files` ignores `X-Metadata-*` headers.
+    E2bMetadataDropped,
+    /// E2B `GET /sandboxes/{id}/metrics` always answers no sample.
+    E2bMetricsEmpty,
+    /// E2B `POST /v2/sandboxes` is missing (405), as on platforms with only v1 routes.
+    E2bV2CreateMissing,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -287,6 +311,18 @@ impl Defect {
         Defect::E2bWatchMissesWrites,
         Defect::E2bAutoPauseIgnored,
         Defect::E2bEnvVarsDropped,
+        Defect::E2bMissingKeyAccepted,
+        Defect::E2bListShowsOtherTeams,
+        Defect::E2bNextTokenIgnored,
+        Defect::E2bListOrderIgnored,
+        Defect::E2bSnapshotWithoutFiles,
+        Defect::E2bForkCountIgnored,
+        Defect::E2bModeWithTypeBits,
+        Defect::E2bRemoveMissingNotFound,
+        Defect::E2bGzipUploadStoredCompressed,
+        Defect::E2bMetadataDropped,
+        Defect::E2bMetricsEmpty,
+        Defect::E2bV2CreateMissing,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -378,6 +414,18 @@ impl Defect {
             Defect::E2bWatchMissesWrites => "e2b-watch-misses-writes",
             Defect::E2bAutoPauseIgnored => "e2b-auto-pause-ignored",
             Defect::E2bEnvVarsDropped => "e2b-env-vars-dropped",
+            Defect::E2bMissingKeyAccepted => "e2b-missing-key-accepted",
+            Defect::E2bListShowsOtherTeams => "e2b-list-shows-other-teams",
+            Defect::E2bNextTokenIgnored => "e2b-next-token-ignored",
+            Defect::E2bListOrderIgnored => "e2b-list-order-ignored",
+            Defect::E2bSnapshotWithoutFiles => "e2b-snapshot-without-files",
+            Defect::E2bForkCountIgnored => "e2b-fork-count-ignored",
+            Defect::E2bModeWithTypeBits => "e2b-mode-with-type-bits",
+            Defect::E2bRemoveMissingNotFound => "e2b-remove-missing-not-found",
+            Defect::E2bGzipUploadStoredCompressed => "e2b-gzip-upload-stored-compressed",
+            Defect::E2bMetadataDropped => "e2b-metadata-dropped",
+            Defect::E2bMetricsEmpty => "e2b-metrics-empty",
+            Defect::E2bV2CreateMissing => "e2b-v2-create-missing",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -506,6 +554,22 @@ impl Defect {
                 "E2B: autoPause is accepted but expiry kills the sandbox"
             }
             Defect::E2bEnvVarsDropped => "E2B: processes do not see the sandbox's envVars",
+            Defect::E2bMissingKeyAccepted => {
+                "E2B: a request without an API key acts as the first team"
+            }
+            Defect::E2bListShowsOtherTeams => "E2B: lists show other teams' sandboxes",
+            Defect::E2bNextTokenIgnored => "E2B: the v2 list ignores nextToken",
+            Defect::E2bListOrderIgnored => "E2B: the v2 list ignores order=asc",
+            Defect::E2bSnapshotWithoutFiles => {
+                "E2B: sandboxes from a snapshot start without its files"
+            }
+            Defect::E2bForkCountIgnored => "E2B: fork ignores count",
+            Defect::E2bModeWithTypeBits => "E2B: entry modes carry file-type bits",
+            Defect::E2bRemoveMissingNotFound => "E2B: removing a missing path is not_found",
+            Defect::E2bGzipUploadStoredCompressed => "E2B: gzip uploads are stored compressed",
+            Defect::E2bMetadataDropped => "E2B: upload metadata is dropped",
+            Defect::E2bMetricsEmpty => "E2B: metrics are always empty",
+            Defect::E2bV2CreateMissing => "E2B: POST /v2/sandboxes is missing",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

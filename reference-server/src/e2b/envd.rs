@@ -94,6 +94,8 @@ impl From<ConnectError> for EnvdError {
 /// The running sandbox an envd request is for.
 pub struct EnvdSandbox {
     pub rec: Record,
+    /// The server's deliberate defects, for handlers that have some.
+    pub defects: crate::defects::Defects,
     pub provider: Arc<LocalProvider>,
     pub local: String,
 }
@@ -294,6 +296,7 @@ pub async fn sandbox_for(
     let local = local.to_owned();
     Ok(EnvdSandbox {
         rec,
+        defects: state.config.defects.clone(),
         provider,
         local,
     })
@@ -444,7 +447,10 @@ pub async fn read_file(
 /// The user metadata of an upload: each `X-Metadata-<key>` header, its key lowercased,
 /// checked as envd checks it (a key and value of printable ASCII, a key not empty, at most
 /// 4096 bytes with the attribute names).
-fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, EnvdError> {
+fn upload_metadata(
+    headers: &HeaderMap,
+    defects: &crate::defects::Defects,
+) -> Result<BTreeMap<String, String>, EnvdError> {
     const MAX_TOTAL: usize = 4096;
     let invalid =
         |why: String| EnvdError::new(StatusCode::BAD_REQUEST, format!("invalid metadata: {why}"));
@@ -470,12 +476,20 @@ fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Envd
     if total > MAX_TOTAL {
         return Err(invalid(format!("{total} bytes exceed {MAX_TOTAL}")));
     }
+    if defects.has(Defect::E2bMetadataDropped) {
+        out.clear();
+    }
     Ok(out)
 }
 
 /// The request body, decompressed when `Content-Encoding` is gzip; at most `limit` bytes
 /// either way.
-async fn upload_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Vec<u8>, EnvdError> {
+async fn upload_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+    defects: &crate::defects::Defects,
+) -> Result<Vec<u8>, EnvdError> {
     let encoding = headers
         .get(header::CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
@@ -487,6 +501,8 @@ async fn upload_body(headers: &HeaderMap, body: Body, limit: u64) -> Result<Vec<
         .map_err(|e| EnvdError::from(ConnectError::from(e)))?;
     match encoding.as_str() {
         "" | "identity" => Ok(raw.to_vec()),
+        // The defect: the compressed bytes are stored as they came.
+        "gzip" if defects.has(Defect::E2bGzipUploadStoredCompressed) => Ok(raw.to_vec()),
         "gzip" => {
             use std::io::Read as _;
             let mut out = Vec::new();
@@ -526,7 +542,7 @@ pub async fn write_file(
     let path = query.get("path").map(str::to_owned);
     let signed = FileSignature::of(&query, path.as_deref().unwrap_or(""), "write");
     let sbx = sandbox_for(&state, &headers, Access::TokenOrSignature(&signed)).await?;
-    let metadata = upload_metadata(&headers)?;
+    let metadata = upload_metadata(&headers, &state.config.defects)?;
     let limit = state.config.limits.max_file_bytes;
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -536,7 +552,7 @@ pub async fn write_file(
     let mut writes: Vec<(String, Vec<u8>)> = Vec::new();
     if content_type.starts_with("multipart/form-data") {
         let (parts, body) = request.into_parts();
-        let body = upload_body(&headers, body, limit).await?;
+        let body = upload_body(&headers, body, limit, &state.config.defects).await?;
         let request = Request::from_parts(parts, Body::from(body));
         let mut multipart = axum::extract::Multipart::from_request(request, &state)
             .await
@@ -578,7 +594,8 @@ pub async fn write_file(
     } else if content_type.starts_with("application/octet-stream") {
         let path =
             path.ok_or_else(|| EnvdError::new(StatusCode::BAD_REQUEST, "path is required"))?;
-        let bytes = upload_body(&headers, request.into_body(), limit).await?;
+        let bytes =
+            upload_body(&headers, request.into_body(), limit, &state.config.defects).await?;
         writes.push((path, bytes));
     } else {
         return Err(EnvdError::new(

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::api::AppState;
-use crate::defects::Defect;
+use crate::defects::{Defect, Defects};
 use crate::sandbox::{FileError, SandboxFiles};
 
 use super::connect::{self, Code, ConnectError};
@@ -110,7 +110,7 @@ pub const METADATA_PREFIX: &str = "user.e2b.";
 /// name, size and permissions string, but for a symlink the type and `mode` (permission bits
 /// only, no file-type bits) of what it leads to and its resolved target as an absolute path;
 /// the user metadata from its `user.e2b.*` extended attributes.
-pub fn entry_info(files: &SandboxFiles, rel: &str) -> Result<Value, FileError> {
+pub fn entry_info(files: &SandboxFiles, rel: &str, defects: &Defects) -> Result<Value, FileError> {
     let stat = files.stat(rel)?;
     let name = rel.rsplit('/').next().unwrap_or_default();
     let name = if rel.is_empty() { "user" } else { name };
@@ -122,6 +122,12 @@ pub fn entry_info(files: &SandboxFiles, rel: &str) -> Result<Value, FileError> {
         }
     } else {
         (stat.kind, stat.mode & 0o777, None)
+    };
+    // The defect: the file-type bits of st_mode stay in `mode`.
+    let mode = if defects.has(Defect::E2bModeWithTypeBits) {
+        mode | (stat.mode & 0o170000)
+    } else {
+        mode
     };
     let mut out = json!({
         "name": name,
@@ -166,12 +172,13 @@ fn unary(result: Result<Value, ConnectError>) -> Response {
 async fn call<R, F>(sbx: EnvdSandbox, headers: &HeaderMap, body: &Bytes, f: F) -> Response
 where
     R: serde::de::DeserializeOwned + Send + 'static,
-    F: FnOnce(&SandboxFiles, R) -> Result<Value, ConnectError> + Send + 'static,
+    F: FnOnce(&SandboxFiles, &Defects, R) -> Result<Value, ConnectError> + Send + 'static,
 {
     let result = async {
         let req: R = connect::unary_request(headers, body)?;
         let files = sbx.files()?;
-        blocking(move || f(&files, req)).await
+        let defects = sbx.defects.clone();
+        blocking(move || f(&files, &defects, req)).await
     };
     unary(result.await)
 }
@@ -184,10 +191,10 @@ fn not_found_as(e: FileError, what: &str) -> ConnectError {
 }
 
 pub async fn stat(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
-    call(sbx, &headers, &body, |files, req: PathRequest| {
+    call(sbx, &headers, &body, |files, defects, req: PathRequest| {
         let rel = to_rel(&req.path)?;
         let rel = normalized(&rel);
-        let entry = entry_info(files, &rel).map_err(|e| not_found_as(e, "path"))?;
+        let entry = entry_info(files, &rel, defects).map_err(|e| not_found_as(e, "path"))?;
         Ok(json!({ "entry": entry }))
     })
     .await
@@ -215,6 +222,7 @@ fn join(a: &str, b: &str) -> String {
 /// client gave, which may be a symlink to `dir`).
 fn walk(
     files: &SandboxFiles,
+    defects: &Defects,
     dir: &str,
     requested: &str,
     sub: &str,
@@ -234,38 +242,43 @@ fn walk(
     };
     for entry in entries {
         let child = join(sub, &entry.name);
-        let Ok(mut info) = entry_info(files, &join(dir, &child)) else {
+        let Ok(mut info) = entry_info(files, &join(dir, &child), defects) else {
             continue;
         };
         info["path"] = json!(to_e2b(&join(requested, &child)));
         out.push(info);
         if entry.kind == "dir" && level < depth {
-            walk(files, dir, requested, &child, depth, out)?;
+            walk(files, defects, dir, requested, &child, depth, out)?;
         }
     }
     Ok(())
 }
 
 pub async fn list_dir(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
-    call(sbx, &headers, &body, |files, req: ListDirRequest| {
-        let rel = normalized(&to_rel(&req.path)?);
-        let depth = req.depth.max(1) as usize;
-        let dir = match files
-            .resolve(&rel)
-            .map_err(|e| not_found_as(e, "directory"))?
-        {
-            (dir, s) if s.kind == "dir" => dir,
-            _ => return Err(ConnectError::invalid("path is not a directory")),
-        };
-        let mut entries = Vec::new();
-        walk(files, &dir, &rel, "", depth, &mut entries)?;
-        Ok(json!({ "entries": entries }))
-    })
+    call(
+        sbx,
+        &headers,
+        &body,
+        |files, defects, req: ListDirRequest| {
+            let rel = normalized(&to_rel(&req.path)?);
+            let depth = req.depth.max(1) as usize;
+            let dir = match files
+                .resolve(&rel)
+                .map_err(|e| not_found_as(e, "directory"))?
+            {
+                (dir, s) if s.kind == "dir" => dir,
+                _ => return Err(ConnectError::invalid("path is not a directory")),
+            };
+            let mut entries = Vec::new();
+            walk(files, defects, &dir, &rel, "", depth, &mut entries)?;
+            Ok(json!({ "entries": entries }))
+        },
+    )
     .await
 }
 
 pub async fn make_dir(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
-    call(sbx, &headers, &body, |files, req: PathRequest| {
+    call(sbx, &headers, &body, |files, defects, req: PathRequest| {
         let rel = normalized(&to_rel(&req.path)?);
         let created = match files.make_dir(&rel) {
             Ok(created) => !rel.is_empty() && created,
@@ -282,28 +295,31 @@ pub async fn make_dir(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Resp
                 "the directory already exists",
             ));
         }
-        Ok(json!({ "entry": entry_info(files, &rel)? }))
+        Ok(json!({ "entry": entry_info(files, &rel, defects)? }))
     })
     .await
 }
 
 pub async fn move_entry(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
-    call(sbx, &headers, &body, |files, req: MoveRequest| {
+    call(sbx, &headers, &body, |files, defects, req: MoveRequest| {
         let from = normalized(&to_rel(&req.source)?);
         let to = normalized(&to_rel(&req.destination)?);
         files
             .rename(&from, &to)
             .map_err(|e| not_found_as(e, "source"))?;
-        Ok(json!({ "entry": entry_info(files, &to)? }))
+        Ok(json!({ "entry": entry_info(files, &to, defects)? }))
     })
     .await
 }
 
 pub async fn remove(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
-    call(sbx, &headers, &body, |files, req: PathRequest| {
+    call(sbx, &headers, &body, |files, defects, req: PathRequest| {
         let rel = to_rel(&req.path)?;
         // envd removes with os.RemoveAll: a path that is not there is already removed.
         match files.delete(&rel) {
+            Err(FileError::NotFound) if defects.has(Defect::E2bRemoveMissingNotFound) => {
+                Err(ConnectError::not_found("path not found"))
+            }
             Ok(()) | Err(FileError::NotFound) => Ok(json!({})),
             Err(e) => Err(e.into()),
         }
@@ -382,6 +398,7 @@ fn diff(old: &Snapshot, new: &Snapshot, skip_writes: bool) -> Vec<(String, &'sta
 
 fn event_json(
     files: &SandboxFiles,
+    defects: &Defects,
     dir: &str,
     name: &str,
     kind: &str,
@@ -394,7 +411,7 @@ fn event_json(
         } else {
             format!("{dir}/{name}")
         };
-        if let Ok(entry) = entry_info(files, &rel) {
+        if let Ok(entry) = entry_info(files, &rel, defects) {
             event["entry"] = entry;
         }
     }
@@ -456,11 +473,14 @@ pub async fn watch_dir(
                 let (files, dir, old) = (std::sync::Arc::clone(&files), dir.clone(), snap.clone());
                 let (recursive, include) = (req.recursive, req.include_entry);
                 let skip_writes = state.config.defects.has(Defect::E2bWatchMissesWrites);
+                let defects = state.config.defects.clone();
                 blocking(move || {
                     let new = snapshot(&files, &dir, recursive)?;
                     let events: Vec<Value> = diff(&old, &new, skip_writes)
                         .into_iter()
-                        .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
+                        .map(|(name, kind)| {
+                            event_json(&files, &defects, &dir, &name, kind, include)
+                        })
                         .collect();
                     Ok::<_, ConnectError>((new, events))
                 })
@@ -545,12 +565,7 @@ pub async fn create_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -
     unary(result.await)
 }
 
-pub async fn get_watcher_events(
-    State(state): State<AppState>,
-    sbx: EnvdSandbox,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub async fn get_watcher_events(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
     let result = async {
         let req: WatcherRequest = connect::unary_request(&headers, &body)?;
         let (dir, recursive, include, old) = {
@@ -568,12 +583,13 @@ pub async fn get_watcher_events(
             )
         };
         let files = sbx.files()?;
-        let skip_writes = state.config.defects.has(Defect::E2bWatchMissesWrites);
+        let skip_writes = sbx.defects.has(Defect::E2bWatchMissesWrites);
+        let defects = sbx.defects.clone();
         let (new, events) = blocking(move || {
             let new = snapshot(&files, &dir, recursive)?;
             let events: Vec<Value> = diff(&old, &new, skip_writes)
                 .into_iter()
-                .map(|(name, kind)| event_json(&files, &dir, &name, kind, include))
+                .map(|(name, kind)| event_json(&files, &defects, &dir, &name, kind, include))
                 .collect();
             Ok::<_, ConnectError>((new, events))
         })

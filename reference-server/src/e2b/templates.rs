@@ -281,6 +281,16 @@ pub async fn fork(
     let req: ForkRequest = body(&headers, &raw)?;
     let count = match req.count {
         None => 1,
+        // The defect: the count is checked, then ignored.
+        Some(n)
+            if (1..=MAX_FORKS).contains(&n)
+                && state
+                    .config
+                    .defects
+                    .has(crate::defects::Defect::E2bForkCountIgnored) =>
+        {
+            1
+        }
         Some(n) if (1..=MAX_FORKS).contains(&n) => n as usize,
         Some(_) => {
             return Err(E2bError::bad_request(format!(
