@@ -209,6 +209,8 @@ pub enum Defect {
     E2bMetricsEmpty,
     /// E2B `POST /v2/sandboxes` is missing (405), as on platforms with only v1 routes.
     E2bV2CreateMissing,
+    /// envd `Update` answers but leaves a PTY process's terminal at its old size.
+    E2bPtyResizeIgnored,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -323,6 +325,7 @@ impl Defect {
         Defect::E2bMetadataDropped,
         Defect::E2bMetricsEmpty,
         Defect::E2bV2CreateMissing,
+        Defect::E2bPtyResizeIgnored,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -426,6 +429,7 @@ impl Defect {
             Defect::E2bMetadataDropped => "e2b-metadata-dropped",
             Defect::E2bMetricsEmpty => "e2b-metrics-empty",
             Defect::E2bV2CreateMissing => "e2b-v2-create-missing",
+            Defect::E2bPtyResizeIgnored => "e2b-pty-resize-ignored",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -570,6 +574,7 @@ impl Defect {
             Defect::E2bMetadataDropped => "E2B: upload metadata is dropped",
             Defect::E2bMetricsEmpty => "E2B: metrics are always empty",
             Defect::E2bV2CreateMissing => "E2B: POST /v2/sandboxes is missing",
+            Defect::E2bPtyResizeIgnored => "E2B: Update leaves a terminal at its old size",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

@@ -64,6 +64,7 @@ pub fn routes() -> Router<AppState> {
         .route("/process.Process/SendInput", post(process::send_input))
         .route("/process.Process/SendSignal", post(process::send_signal))
         .route("/process.Process/CloseStdin", post(process::close_stdin))
+        .route("/process.Process/Update", post(process::update))
         .route("/filesystem.Filesystem/Stat", post(filesystem::stat))
         .route("/filesystem.Filesystem/ListDir", post(filesystem::list_dir))
         .route("/filesystem.Filesystem/MakeDir", post(filesystem::make_dir))

@@ -22,7 +22,7 @@ use crate::api::AppState;
 use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId};
-use crate::sandbox::{ProviderError, Signal};
+use crate::sandbox::{ProviderError, Signal, TerminalSize};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;
 
@@ -49,11 +49,54 @@ struct ProcessConfig {
     cwd: Option<String>,
 }
 
+/// `PTY.Size`: a terminal's rows and columns.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PtySize {
+    #[serde(default)]
+    rows: u32,
+    #[serde(default)]
+    cols: u32,
+}
+
+/// `PTY`: a pseudo-terminal for the process, of this size.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Pty {
+    size: Option<PtySize>,
+}
+
+impl Pty {
+    fn size(&self) -> Result<TerminalSize, ConnectError> {
+        let size = self
+            .size
+            .as_ref()
+            .ok_or_else(|| ConnectError::invalid("pty.size is required"))?;
+        let fits = |n: u32| (1..=u32::from(u16::MAX)).contains(&n);
+        if !fits(size.rows) || !fits(size.cols) {
+            return Err(ConnectError::invalid(
+                "pty.size has rows and cols between 1 and 65535",
+            ));
+        }
+        Ok(TerminalSize {
+            rows: size.rows as u16,
+            cols: size.cols as u16,
+        })
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateRequest {
+    process: Option<Selector>,
+    pty: Option<Pty>,
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct StartRequest {
     process: Option<ProcessConfig>,
-    pty: Option<Value>,
+    pty: Option<Pty>,
     tag: Option<String>,
     stdin: Option<bool>,
 }
@@ -106,6 +149,9 @@ struct E2bProcess {
     envs: BTreeMap<String, String>,
     cwd: Option<String>,
     tag: Option<String>,
+    /// Started on a pseudo-terminal: its output is `pty` data and its input goes there.
+    #[serde(default)]
+    pty: bool,
 }
 
 fn e2b_process(rec: &Record) -> Option<E2bProcess> {
@@ -209,6 +255,7 @@ async fn pump(
     process_id: String,
     mut cursor: i64,
     keepalive: Option<Duration>,
+    pty: bool,
 ) {
     let stream = process_stream(&process_id);
     let mut woken = state.log.follow(&stream);
@@ -233,6 +280,10 @@ async fn pump(
                 cursor = event.seq;
                 let text = event.data.get("data").and_then(Value::as_str).unwrap_or("");
                 let message = match event.kind.as_str() {
+                    // A terminal's output is one stream, upstream's `pty` data.
+                    "stdout" if pty => {
+                        json!({"event": {"data": {"pty": connect::encode_bytes(text.as_bytes())}}})
+                    }
                     "stdout" => {
                         json!({"event": {"data": {"stdout": connect::encode_bytes(text.as_bytes())}}})
                     }
@@ -308,12 +359,13 @@ pub async fn start(
         Ok((rec, pid)) => {
             let (response, sender) = connect::stream_response();
             let keepalive = connect::keepalive_interval(&headers);
+            let pty = e2b_process(&rec).is_some_and(|p| p.pty);
             tokio::spawn(async move {
                 if sender
                     .send(&json!({"event": {"start": {"pid": pid}}}))
                     .await
                 {
-                    pump(state, sender, rec.id, 0, keepalive).await;
+                    pump(state, sender, rec.id, 0, keepalive, pty).await;
                 }
             });
             response
@@ -328,12 +380,7 @@ async fn start_process(
     body: &Bytes,
 ) -> Result<(Record, u32), ConnectError> {
     let req: StartRequest = connect::stream_request(headers, body)?;
-    if req.pty.is_some() {
-        return Err(ConnectError::new(
-            Code::Unimplemented,
-            "PTY processes are not supported by this server",
-        ));
-    }
+    let terminal = req.pty.as_ref().map(Pty::size).transpose()?;
     let config = req
         .process
         .ok_or_else(|| ConnectError::invalid("process is required"))?;
@@ -408,6 +455,7 @@ async fn start_process(
         envs: config.envs,
         cwd: config.cwd,
         tag: req.tag,
+        pty: terminal.is_some(),
     })
     .map_err(crate::api::ApiError::internal)?;
     let rec = Record {
@@ -426,11 +474,19 @@ async fn start_process(
         .insert(&rec)
         .await
         .map_err(crate::api::ApiError::from)?;
-    if let Err(e) = sbx
-        .provider
-        .spawn(&sbx.local, rec.clone(), &spec, &sandbox_env)
-        .await
-    {
+    let spawned = match terminal {
+        Some(size) => {
+            sbx.provider
+                .spawn_terminal(&sbx.local, rec.clone(), &spec, &sandbox_env, size)
+                .await
+        }
+        None => {
+            sbx.provider
+                .spawn(&sbx.local, rec.clone(), &spec, &sandbox_env)
+                .await
+        }
+    };
+    if let Err(e) = spawned {
         if let Err(e) = state.store.delete(Kind::Process, &rec.id).await {
             tracing::warn!(error = %e, "could not remove the record of a failed start");
         }
@@ -497,7 +553,10 @@ pub async fn connect_process(
                     sender.finish(None).await;
                 }
             }
-            None => pump(state, sender, rec.id, cursor, keepalive).await,
+            None => {
+                let pty = e2b_process(&rec).is_some_and(|p| p.pty);
+                pump(state, sender, rec.id, cursor, keepalive, pty).await
+            }
         }
     });
     response
@@ -578,17 +637,67 @@ pub async fn send_input(
         let input = req
             .input
             .ok_or_else(|| ConnectError::invalid("input is required"))?;
-        if input.pty.is_some() {
+        let rec = running(&state, &sbx, req.process).await?;
+        let on_terminal = e2b_process(&rec).is_some_and(|p| p.pty);
+        match (input.stdin, input.pty, on_terminal) {
+            (Some(_), None, true) => Err(ConnectError::new(
+                Code::FailedPrecondition,
+                "the process has a terminal: its input is written to the pty, not to stdin",
+            )),
+            (None, Some(_), false) => Err(ConnectError::new(
+                Code::FailedPrecondition,
+                "the process has no terminal",
+            )),
+            (Some(stdin), None, false) => {
+                let data = connect::decode_bytes(&stdin)?;
+                sbx.provider
+                    .write_stdin(&rec.id, &data, false)
+                    .await
+                    .map_err(provider_error)?;
+                Ok(json!({}))
+            }
+            (None, Some(pty), true) => {
+                let data = connect::decode_bytes(&pty)?;
+                sbx.provider
+                    .write_terminal(&rec.id, &data)
+                    .await
+                    .map_err(provider_error)?;
+                Ok(json!({}))
+            }
+            (None, None, _) => Ok(json!({})),
+            (Some(_), Some(_), _) => Err(ConnectError::invalid("input is one of stdin and pty")),
+        }
+    };
+    unary(result.await)
+}
+
+/// `Update`: resizes the terminal of a process started with a `pty`.
+pub async fn update(
+    State(state): State<AppState>,
+    sbx: EnvdSandbox,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let result = async {
+        let req: UpdateRequest = connect::unary_request(&headers, &body)?;
+        let rec = running(&state, &sbx, req.process).await?;
+        let Some(pty) = req.pty else {
+            // Nothing to change.
+            return Ok(json!({}));
+        };
+        let size = pty.size()?;
+        if !e2b_process(&rec).is_some_and(|p| p.pty) {
             return Err(ConnectError::new(
-                Code::Unimplemented,
-                "PTY input is not supported by this server",
+                Code::FailedPrecondition,
+                "the process has no terminal",
             ));
         }
-        let data = connect::decode_bytes(input.stdin.as_deref().unwrap_or(""))?;
-        let rec = running(&state, &sbx, req.process).await?;
+        if sbx.defects.has(Defect::E2bPtyResizeIgnored) {
+            // The defect: answered, and the terminal left as it was.
+            return Ok(json!({}));
+        }
         sbx.provider
-            .write_stdin(&rec.id, &data, false)
-            .await
+            .resize_terminal(&rec.id, size)
             .map_err(provider_error)?;
         Ok(json!({}))
     };

@@ -24,7 +24,7 @@ use crate::stream::EventLog;
 use super::cgroup::{Cgroups, SandboxCgroup};
 use super::files::{SandboxFiles, normalize};
 use super::isolation::{self, Holder, Namespacer, SandboxView, Weakened};
-use super::process::{self, Launch, ProcessHandle, kill_group};
+use super::process::{self, Launch, ProcessHandle, TerminalSize, kill_group};
 use super::{ProviderError, Signal};
 
 /// Grants are whole multiples of these.
@@ -598,6 +598,33 @@ impl LocalProvider {
         spec: &ProcessSpec,
         sandbox_env: &BTreeMap<String, String>,
     ) -> Result<(), ProviderError> {
+        self.spawn_in(sandbox_local, record, spec, sandbox_env, None)
+            .await
+    }
+
+    /// Starts a process as [`LocalProvider::spawn`] does, but on a pseudo-terminal of `size`
+    /// (E2B's PTY processes): its output is one stream (`stdout` events) and its input is
+    /// written with [`LocalProvider::write_terminal`], not to stdin.
+    pub async fn spawn_terminal(
+        &self,
+        sandbox_local: &str,
+        record: Record,
+        spec: &ProcessSpec,
+        sandbox_env: &BTreeMap<String, String>,
+        size: TerminalSize,
+    ) -> Result<(), ProviderError> {
+        self.spawn_in(sandbox_local, record, spec, sandbox_env, Some(size))
+            .await
+    }
+
+    async fn spawn_in(
+        &self,
+        sandbox_local: &str,
+        record: Record,
+        spec: &ProcessSpec,
+        sandbox_env: &BTreeMap<String, String>,
+        terminal: Option<TerminalSize>,
+    ) -> Result<(), ProviderError> {
         let runtime = self.runtime(sandbox_local).await?;
         let cwd = resolve_cwd(&runtime.root, spec.cwd.as_deref())?;
         let (home, cwd, enter) = match &runtime.view {
@@ -630,6 +657,7 @@ impl LocalProvider {
             log: self.log.clone(),
             max_output_bytes: self.max_output_bytes,
             output_retention: self.output_retention,
+            terminal,
             pid_file: self
                 .sandbox_dir(sandbox_local)?
                 .join("procs")
@@ -661,6 +689,20 @@ impl LocalProvider {
         eof: bool,
     ) -> Result<(), ProviderError> {
         self.process(process_id)?.write_stdin(data, eof).await
+    }
+
+    /// Types `data` into the pseudo-terminal of a process started by `spawn_terminal`.
+    pub async fn write_terminal(&self, process_id: &str, data: &[u8]) -> Result<(), ProviderError> {
+        self.process(process_id)?.write_terminal(data).await
+    }
+
+    /// Resizes the pseudo-terminal of a process started by `spawn_terminal`.
+    pub fn resize_terminal(
+        &self,
+        process_id: &str,
+        size: TerminalSize,
+    ) -> Result<(), ProviderError> {
+        self.process(process_id)?.resize_terminal(size)
     }
 
     pub fn signal(&self, process_id: &str, signal: Signal) -> Result<(), ProviderError> {

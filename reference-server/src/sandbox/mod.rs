@@ -15,6 +15,7 @@ mod provider;
 pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
 pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
 pub use local::{Isolation, IsolationReport, LocalProvider, Usage};
+pub use process::TerminalSize;
 pub use provider::{ProviderError, Signal};
 
 use std::collections::BTreeMap;

@@ -55,9 +55,71 @@ pub(super) struct Launch {
     pub(super) log: EventLog,
     pub(super) max_output_bytes: u64,
     pub(super) output_retention: Duration,
+    /// A pseudo-terminal of this size for the process's stdin, stdout and stderr (its output
+    /// is then one stream, `stdout`), instead of pipes.
+    pub(super) terminal: Option<TerminalSize>,
     /// Where the running process's group is written down (`<sandbox>/procs/<record id>`),
     /// so that a server that starts again after a crash finds and ends it.
     pub(super) pid_file: PathBuf,
+}
+
+/// The size of a pseudo-terminal, in characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+impl TerminalSize {
+    fn winsize(self) -> libc::winsize {
+        libc::winsize {
+            ws_row: self.rows,
+            ws_col: self.cols,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        }
+    }
+}
+
+/// A new pseudo-terminal of `size`: (controlling side, the process's side). The controlling
+/// side is close-on-exec, so that only the server holds it.
+fn open_terminal(size: TerminalSize) -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd as _;
+    let (mut master, mut slave) = (-1, -1);
+    let winsize = size.winsize();
+    // SAFETY: openpty writes two descriptors into the integers given; no name buffer and no
+    // termios are passed.
+    let done = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &winsize,
+        )
+    };
+    if done != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just opened by openpty and are owned by nobody else.
+    let (master, slave) = unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(master),
+            std::os::fd::OwnedFd::from_raw_fd(slave),
+        )
+    };
+    // SAFETY: fcntl on a descriptor owned here.
+    if unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&master),
+            libc::F_SETFD,
+            libc::FD_CLOEXEC,
+        )
+    } < 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((master, slave))
 }
 
 /// A live (or recently ended) process, kept in memory by its provider.
@@ -68,6 +130,9 @@ pub(super) struct ProcessHandle {
     pgid: i32,
     /// `None` when started without `stdin: true`; the inner `None` once closed.
     stdin: Option<tokio::sync::Mutex<Option<ChildStdin>>>,
+    /// The controlling side of its pseudo-terminal, when it has one: input is written to it
+    /// and its size set on it.
+    terminal: Option<std::fs::File>,
     /// Set as soon as the process has been reaped.
     exited: AtomicBool,
     /// Becomes true once the exit has been recorded and the `exit` event appended.
@@ -126,6 +191,49 @@ impl ProcessHandle {
         Ok(())
     }
 
+    /// Writes `data` to the process's pseudo-terminal, as typed input.
+    pub(super) async fn write_terminal(&self, data: &[u8]) -> Result<(), ProviderError> {
+        let Some(terminal) = &self.terminal else {
+            return Err(ProviderError::NoStdin);
+        };
+        if self.has_exited() {
+            return Err(ProviderError::ProcessExited);
+        }
+        let mut master = terminal.try_clone()?;
+        let data = data.to_vec();
+        tokio::task::spawn_blocking(move || std::io::Write::write_all(&mut master, &data))
+            .await
+            .map_err(|e| ProviderError::Io(io::Error::other(e)))?
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EIO) => ProviderError::ProcessExited,
+                _ => ProviderError::Io(e),
+            })
+    }
+
+    /// Sets the size of the process's pseudo-terminal (its processes get SIGWINCH).
+    pub(super) fn resize_terminal(&self, size: TerminalSize) -> Result<(), ProviderError> {
+        let Some(terminal) = &self.terminal else {
+            return Err(ProviderError::NoStdin);
+        };
+        if self.has_exited() {
+            return Err(ProviderError::ProcessExited);
+        }
+        let winsize = size.winsize();
+        // SAFETY: TIOCSWINSZ reads one winsize from the pointer, on a descriptor owned here.
+        let done = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(terminal),
+                libc::TIOCSWINSZ,
+                &winsize,
+            )
+        };
+        if done == 0 {
+            Ok(())
+        } else {
+            Err(ProviderError::Io(io::Error::last_os_error()))
+        }
+    }
+
     /// Sends `sig` to the whole process group.
     pub(super) fn signal(&self, sig: libc::c_int) -> Result<(), ProviderError> {
         if self.has_exited() {
@@ -182,16 +290,39 @@ pub(super) fn spawn(
     if launch.enter.is_none() {
         cmd.current_dir(&launch.cwd);
     }
-    cmd.env_clear()
-        .envs(&env)
-        .stdin(if spec.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+    cmd.env_clear().envs(&env);
+    let master = match launch.terminal {
+        Some(size) => {
+            let (master, slave) = open_terminal(size)?;
+            cmd.stdin(Stdio::from(slave.try_clone()?))
+                .stdout(Stdio::from(slave.try_clone()?))
+                .stderr(Stdio::from(slave));
+            // SAFETY: the closure runs in the child between fork and exec and makes system
+            // calls only. It is the first closure: the child leads a new session (and so its
+            // own process group, as `process_group(0)` makes the others) whose controlling
+            // terminal is the one on its stdin.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            Some(std::fs::File::from(master))
+        }
+        None => {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+            None
+        }
+    };
     let procs = launch.cgroup_procs;
     if !procs.is_empty() {
         // SAFETY: the closure runs in the child between fork and exec, and only makes
@@ -250,21 +381,37 @@ pub(super) fn spawn(
         let _ = kill_group(pgid, libc::SIGKILL);
         return Err(ProviderError::Io(e));
     }
+    // The process's side of its terminal lives only in the child from now on, so that the
+    // controlling side reads end of file (EIO) once the child and what it started are gone.
+    drop(cmd);
     let pid_file = launch.pid_file.clone();
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| io::Error::other("stdout not piped"))?;
-    let stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| io::Error::other("stderr not piped"))?;
+    let (stdout, stderr): (Output, Option<Output>) = match &master {
+        Some(master) => (
+            Box::new(tokio::fs::File::from_std(master.try_clone()?)),
+            None,
+        ),
+        None => (
+            Box::new(
+                child
+                    .stdout
+                    .take()
+                    .ok_or_else(|| io::Error::other("stdout not piped"))?,
+            ),
+            Some(Box::new(
+                child
+                    .stderr
+                    .take()
+                    .ok_or_else(|| io::Error::other("stderr not piped"))?,
+            )),
+        ),
+    };
     let stdin = child.stdin.take().map(|s| tokio::sync::Mutex::new(Some(s)));
 
     let handle = Arc::new(ProcessHandle {
         id: record.id.clone(),
         pgid,
         stdin,
+        terminal: master,
         exited: AtomicBool::new(false),
         done: done_rx,
     });
@@ -413,6 +560,9 @@ impl Capture {
     }
 }
 
+/// What a process's output is read from: a pipe, or its terminal's controlling side.
+type Output = Box<dyn AsyncRead + Send + Unpin>;
+
 struct Supervisor {
     handle: Arc<ProcessHandle>,
     capture: Arc<Capture>,
@@ -420,12 +570,7 @@ struct Supervisor {
 }
 
 impl Supervisor {
-    async fn run(
-        self,
-        mut child: Child,
-        stdout: tokio::process::ChildStdout,
-        stderr: tokio::process::ChildStderr,
-    ) {
+    async fn run(self, mut child: Child, stdout: Output, stderr: Option<Output>) {
         let (stop_tx, stop_rx) = watch::channel(false);
         let out = tokio::spawn(pump(
             stdout,
@@ -433,7 +578,8 @@ impl Supervisor {
             self.capture.clone(),
             stop_rx.clone(),
         ));
-        let err = tokio::spawn(pump(stderr, "stderr", self.capture.clone(), stop_rx));
+        let err = stderr
+            .map(|stderr| tokio::spawn(pump(stderr, "stderr", self.capture.clone(), stop_rx)));
 
         let status = self.wait(&mut child).await;
         self.handle.exited.store(true, Ordering::SeqCst);
@@ -444,7 +590,9 @@ impl Supervisor {
         // Output first, then the exit: wait for both pipes to reach EOF, but not forever.
         let readers = async {
             let _ = out.await;
-            let _ = err.await;
+            if let Some(err) = err {
+                let _ = err.await;
+            }
         };
         tokio::pin!(readers);
         if tokio::time::timeout(OUTPUT_DRAIN_GRACE, &mut readers)
