@@ -1,8 +1,11 @@
 //! The E2B surface of the reference server: the control plane's wire shapes and errors, envd's
-//! Connect services and `/files` over HTTP, the E2B defects, and the real E2B Python SDK
-//! driving the server (installed from PyPI into a venv; required under `CI`).
+//! Connect services and `/files` over HTTP, the E2B defects, and the real E2B Python and
+//! JavaScript SDKs driving the server (installed from PyPI into a venv and from npm into a
+//! prefix; required under `CI`).
 
 use crate::support;
+#[path = "../../tests/support/npm.rs"]
+mod npm;
 #[path = "../../tests/support/venv.rs"]
 mod venv;
 
@@ -17,6 +20,8 @@ use support::{ALICE, BOB, Reply, TestApp, spawn_app, strings};
 
 /// The pinned SDK the compatibility test installs.
 const E2B_SDK: &str = "e2b==2.63.0";
+/// The pinned JavaScript SDK the JavaScript compatibility test installs.
+const E2B_JS_SDK: &str = "e2b@2.51.0";
 
 async fn e2b(
     app: &TestApp,
@@ -1228,6 +1233,7 @@ fn e2b_sdk_drives_the_reference_server() {
         .env("E2B_SANDBOX_URL", &app.base)
         .env("E2B_API_KEY", ALICE)
         .env("E2B_DOMAIN", "sandbox.test")
+        .env("SANDSPEC_E2B_DOC", e2b_doc())
         .output()
         .expect("run the SDK script");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -1238,6 +1244,47 @@ fn e2b_sdk_drives_the_reference_server() {
     );
     assert!(
         stdout.contains("e2b sdk: all checks passed"),
+        "stdout:\n{stdout}"
+    );
+    drop(app);
+}
+
+/// `docs/profiles/e2b.md`, whose SDK method table both drivers check the SDKs against.
+fn e2b_doc() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/profiles/e2b.md")
+}
+
+/// The real E2B JavaScript SDK (npm `e2b`, run by node) drives the reference server as the
+/// Python one does (`tests/e2b_sdk.mjs` asserts each call), and every public method of its
+/// `Sandbox`, `files`, `commands` and `pty` has a row in the doc's SDK method table.
+#[test]
+fn e2b_js_sdk_drives_the_reference_server() {
+    let Some(prefix) = npm::pinned(env!("CARGO_TARGET_TMPDIR"), "e2b-js-sdk", &[E2B_JS_SDK]) else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let app = rt.block_on(spawn_app(|_| {}));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2b_sdk.mjs");
+    let output = Command::new("node")
+        .arg(&script)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("E2B_API_URL", &app.base)
+        .env("E2B_SANDBOX_URL", &app.base)
+        .env("E2B_API_KEY", ALICE)
+        .env("E2B_DOMAIN", "sandbox.test")
+        .env("SANDSPEC_NPM_PREFIX", &prefix)
+        .env("SANDSPEC_E2B_DOC", e2b_doc())
+        .output()
+        .expect("run the JavaScript SDK script");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "JavaScript SDK script failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("e2b js sdk: all checks passed"),
         "stdout:\n{stdout}"
     );
     drop(app);

@@ -1,12 +1,20 @@
 """The real E2B Python SDK against the sandspec reference server.
 
-Run by `tests/e2b.rs` with E2B_API_URL and E2B_SANDBOX_URL set to the server's base URL and
-E2B_API_KEY to a principal's token. Every call must succeed with the SDK's own types; a killed
-sandbox and a wrong key must surface as the SDK's own exceptions. Any failed check raises.
+Run by `tests/e2b.rs` with E2B_API_URL and E2B_SANDBOX_URL set to the server's base URL,
+E2B_API_KEY to a principal's token and SANDSPEC_E2B_DOC to `docs/profiles/e2b.md`. Every call
+must succeed with the SDK's own types; a killed sandbox and a wrong key must surface as the
+SDK's own exceptions. Every public method of `Sandbox`, `sandbox.files`, `sandbox.commands`
+and `sandbox.pty` must have a row in the doc's SDK method table. Any failed check raises.
 """
 
+import gzip
+import hashlib
+import inspect
 import io
+import os
+import re
 import time
+import urllib.request
 import uuid
 
 from e2b import (
@@ -22,7 +30,12 @@ from e2b import (
     SandboxQuery,
     WriteInfo,
 )
+from e2b.sandbox.commands.command_handle import PtySize
+from e2b.sandbox.filesystem.filesystem import WriteEntry
 from e2b.sandbox.sandbox_api import SandboxState
+from e2b.sandbox_sync.commands.command import Commands
+from e2b.sandbox_sync.commands.pty import Pty
+from e2b.sandbox_sync.filesystem.filesystem import Filesystem
 
 
 def check(condition, what):
@@ -30,6 +43,39 @@ def check(condition, what):
         raise AssertionError(what)
     print(f"ok: {what}")
 
+
+def public_methods(cls):
+    """The public methods of an SDK class (class, static and instance ones; no properties)."""
+    names = set()
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, property) or isinstance(attr, (str, int, float, bool)):
+            continue
+        if callable(attr) or isinstance(attr, (classmethod, staticmethod)) or hasattr(attr, "__get__"):
+            names.add(name)
+    return names
+
+
+def table_rows(doc_path):
+    """(class, Python names) of each row of the doc's SDK method table."""
+    rows = {}
+    text = open(doc_path, encoding="utf-8").read()
+    section = text.split("\n## SDK methods\n", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        cls = cells[0].strip("`")
+        rows.setdefault(cls, set()).update(re.findall(r"`([a-z_]+)`", cells[1]))
+    return rows
+
+
+rows = table_rows(os.environ["SANDSPEC_E2B_DOC"])
+for cls, label in [(Sandbox, "Sandbox"), (Filesystem, "files"), (Commands, "commands"), (Pty, "pty")]:
+    missing = sorted(public_methods(cls) - rows.get(label, set()))
+    check(not missing, f"every public method of {label} has a row in the SDK method table (missing: {missing})")
 
 run_id = uuid.uuid4().hex
 sbx = Sandbox.create(timeout=120, metadata={"run": run_id}, envs={"GREETING": "hello"})
@@ -103,6 +149,90 @@ for _ in range(100):
     time.sleep(0.1)
 check(any(e.name == "seen.txt" and e.type in (FilesystemEventType.CREATE, FilesystemEventType.WRITE) for e in events), "files.watch_dir reports the new file")
 watch.stop()
+
+# Files as envd 0.6 describes them: entries, metadata, gzip, write_files, list depth.
+sbx.files.write("meta/tagged.txt", "tagged", metadata={"author": "sandspec"})
+info = sbx.files.get_info("meta/tagged.txt")
+check(isinstance(info, EntryInfo) and info.metadata == {"author": "sandspec"}, "files.write(metadata=) surfaces in get_info")
+check(info.mode == 0o644 and info.permissions == "-rw-r--r--", "entry mode holds permission bits only")
+sbx.files.write("meta/tagged.txt", "untagged")
+check(sbx.files.get_info("meta/tagged.txt").metadata is None, "overwriting without metadata clears it")
+sbx.files.write("zipped.txt", "squeezed " * 100, gzip=True)
+check(sbx.files.read("zipped.txt", gzip=True) == "squeezed " * 100, "gzip on upload and download round-trips")
+written = sbx.files.write_files([WriteEntry(path="multi/a.txt", data="A"), WriteEntry(path="multi/b/c.txt", data=b"C")])
+check(sorted(w.path for w in written) == ["/home/user/multi/a.txt", "/home/user/multi/b/c.txt"], "files.write_files writes every entry")
+deep = [e.path for e in sbx.files.list("multi", depth=2)]
+check(deep == ["/home/user/multi/a.txt", "/home/user/multi/b", "/home/user/multi/b/c.txt"], "files.list with depth walks depth first")
+sbx.files.remove("never/there.txt")
+check(True, "files.remove of a missing path succeeds")
+sbx.commands.run("ln -s multi/a.txt link.txt")
+linked = sbx.files.get_info("link.txt")
+check(linked.type == FileType.FILE and linked.symlink_target == "/home/user/multi/a.txt", "a symlink's entry has its target's type and path")
+
+# Commands: per-command envs, cwd, a timeout, stdin closed, kill by handle.
+scoped = sbx.commands.run('echo "$ONLY_HERE"; pwd', envs={"ONLY_HERE": "scoped"}, cwd="/home/user/multi")
+check(scoped.stdout.splitlines()[0] == "scoped", "commands.run(envs=) reaches that command")
+check(sbx.commands.run('echo "${ONLY_HERE:-unset}"').stdout == "unset\n", "a command's envs do not outlive it")
+try:
+    sbx.commands.run("sleep 30", timeout=1)
+    raise AssertionError("a command past its timeout did not raise")
+except Exception as e:
+    check("timeout" in type(e).__name__.lower() or "timeout" in str(e).lower(), "commands.run(timeout=) ends a long command with a timeout error")
+tagged = sbx.commands.run("sleep 600", background=True)
+check(tagged.kill() is True, "CommandHandle.kill")
+
+# PTY: a real terminal, resized.
+size_lines = []
+term = sbx.pty.create(PtySize(rows=24, cols=80))
+sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
+ended = term.wait(on_pty=lambda data: size_lines.append(data.decode()))
+check(ended.exit_code == 0 and "30 100" in "".join(size_lines), "pty.create, resize and send_stdin on a real terminal")
+term = sbx.pty.create(PtySize(rows=24, cols=80))
+check(sbx.pty.kill(term.pid) is True, "pty.kill")
+
+# Signed file URLs (the access token signs them); E2B_SANDBOX_URL routes by headers, so the
+# URL's request carries them.
+secure = Sandbox.create(timeout=120, metadata={"run": run_id})
+secure.files.write("signed.txt", "signed content")
+for url in [secure.download_url("signed.txt"), secure.download_url("signed.txt", use_signature_expiration=60)]:
+    req = urllib.request.Request(url, headers={"E2b-Sandbox-Id": secure.sandbox_id, "E2b-Sandbox-Port": "49983"})
+    with urllib.request.urlopen(req) as resp:
+        check(resp.read() == b"signed content", "download_url is signed with the access token")
+expired = secure.download_url("signed.txt", use_signature_expiration=-10)
+try:
+    urllib.request.urlopen(urllib.request.Request(expired, headers={"E2b-Sandbox-Id": secure.sandbox_id, "E2b-Sandbox-Port": "49983"}))
+    raise AssertionError("an expired signature was accepted")
+except urllib.error.HTTPError as e:
+    check(e.code == 401, "an expired signature is 401")
+upload = secure.upload_url("uploaded.txt")
+body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"uploaded.txt\"\r\n\r\nup\r\n--b--\r\n"
+req = urllib.request.Request(upload, data=body, method="POST", headers={"Content-Type": "multipart/form-data; boundary=b", "E2b-Sandbox-Id": secure.sandbox_id, "E2b-Sandbox-Port": "49983"})
+with urllib.request.urlopen(req) as resp:
+    check(resp.status == 200 and secure.files.read("uploaded.txt") == "up", "upload_url is signed with the access token")
+
+# Snapshots, forks, metrics, the list's order and filters.
+snap = secure.create_snapshot()
+check(snap.snapshot_id.startswith("snp_"), "create_snapshot returns its ID")
+check(any(s.snapshot_id == snap.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=secure.sandbox_id).next_items()), "list_snapshots by sandbox")
+restored = Sandbox.create(snap.snapshot_id, timeout=120, metadata={"run": run_id})
+check(restored.files.read("signed.txt") == "signed content", "a sandbox created from a snapshot has its files")
+check(Sandbox.delete_snapshot(snap.snapshot_id) is True and Sandbox.delete_snapshot(snap.snapshot_id) is False, "delete_snapshot, then not found")
+forks = secure.fork(count=2, timeout=120)
+check(len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), "fork(count=2) returns two sandboxes")
+forks[0].files.write("signed.txt", "changed in a fork")
+check(forks[1].files.read("signed.txt") == "signed content" and secure.files.read("signed.txt") == "signed content", "forks are independent")
+metrics = secure.get_metrics()
+check(len(metrics) == 1 and metrics[0].cpu_count >= 1 and metrics[0].mem_total > 0, "get_metrics returns a sample")
+newest = Sandbox.list(query=SandboxQuery(metadata={"run": run_id})).next_items()
+oldest = Sandbox.list(query=SandboxQuery(metadata={"run": run_id}), order="asc").next_items()
+check([s.sandbox_id for s in newest] == [s.sandbox_id for s in reversed(oldest)], "list orders newest first, or oldest first with order=asc")
+check(Sandbox.list(query=SandboxQuery(metadata={"run": run_id}, template="no-such-template")).next_items() == [], "list filters by template")
+check(secure.is_running(), "is_running")
+check(restored.beta_pause() is True, "beta_pause pauses")
+check(Sandbox.get_info(restored.sandbox_id).state == SandboxState.PAUSED, "a beta-paused sandbox reports paused")
+for other in [restored, *forks, secure]:
+    other.kill()
 
 # Lifecycle: timeout, list, connect, pause, resume by connect, kill.
 sbx.set_timeout(300)
