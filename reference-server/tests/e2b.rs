@@ -1833,3 +1833,93 @@ async fn create_with_the_same_idempotency_key_replays_the_first_sandbox() {
         .ok(200);
     assert_eq!(listed.as_array().unwrap().len(), 1);
 }
+
+/// Egress configuration: a sandbox here reaches nothing outside the machine (its network
+/// namespace has only loopback), so what denies traffic is taken and shown back, and what
+/// would let traffic out is refused; on a machine without network namespaces nothing can be
+/// denied either.
+#[tokio::test]
+async fn network_denials_are_taken_and_allowances_refused() {
+    let app = spawn_app(|_| {}).await;
+    let caps = app
+        .client
+        .get(app.url("/v1/capabilities"))
+        .bearer_auth(ALICE)
+        .send()
+        .await
+        .unwrap();
+    let caps: Value = caps.json().await.unwrap();
+    let isolated = caps["isolation"]["network"] == "loopback";
+    let denied = e2b(
+        &app,
+        Some(ALICE),
+        Method::POST,
+        "/v2/sandboxes",
+        Some(json!({"templateID": "base", "allow_internet_access": false, "network": {"denyOut": ["0.0.0.0/0"]}})),
+    )
+    .await;
+    if !isolated {
+        let body = e2b_error(&denied, 400);
+        assert!(
+            body["message"].as_str().unwrap().contains("host's network"),
+            "{body}"
+        );
+        return;
+    }
+    let id = denied.ok(201)["sandboxID"].as_str().unwrap().to_owned();
+    let detail = e2b(
+        &app,
+        Some(ALICE),
+        Method::GET,
+        &format!("/sandboxes/{id}"),
+        None,
+    )
+    .await
+    .ok(200);
+    assert_eq!(detail["allowInternetAccess"], false);
+    assert_eq!(detail["network"], json!({"denyOut": ["0.0.0.0/0"]}));
+    for refused in [
+        json!({"allowOut": ["1.1.1.1"]}),
+        json!({"allow_internet_access": true}),
+        json!({"rules": {"example.com": [{}]}}),
+    ] {
+        let reply = e2b(
+            &app,
+            Some(ALICE),
+            Method::PUT,
+            &format!("/sandboxes/{id}/network"),
+            Some(refused.clone()),
+        )
+        .await;
+        e2b_error(&reply, 400);
+    }
+    let updated = e2b(
+        &app,
+        Some(ALICE),
+        Method::PUT,
+        &format!("/sandboxes/{id}/network"),
+        Some(json!({"denyOut": ["8.8.8.8"]})),
+    )
+    .await;
+    assert_eq!(updated.status.as_u16(), 204);
+    let detail = e2b(
+        &app,
+        Some(ALICE),
+        Method::GET,
+        &format!("/sandboxes/{id}"),
+        None,
+    )
+    .await
+    .ok(200);
+    assert_eq!(detail["network"], json!({"denyOut": ["8.8.8.8"]}));
+    assert_eq!(detail["allowInternetAccess"], Value::Null);
+    let foreign = e2b(
+        &app,
+        Some(BOB),
+        Method::PUT,
+        &format!("/sandboxes/{id}/network"),
+        Some(json!({"denyOut": ["8.8.8.8"]})),
+    )
+    .await;
+    e2b_error(&foreign, 404);
+}

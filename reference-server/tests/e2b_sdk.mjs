@@ -158,6 +158,13 @@ check(metrics.length === 1 && metrics[0].cpuCount >= 1, 'getMetrics')
 const newest = await Sandbox.list({ query: { metadata: { run: runId } } }).nextItems()
 const oldest = await Sandbox.list({ query: { metadata: { run: runId } }, order: 'asc' }).nextItems()
 check(newest.length === 4 && newest.map((s) => s.sandboxId).join() === oldest.map((s) => s.sandboxId).reverse().join(), 'list orders newest first, or oldest first')
+try {
+  await sbx.updateNetwork({ denyOut: ['8.8.8.8'] })
+  check(true, 'updateNetwork takes a denial')
+} catch (e) {
+  check(/host's network/.test(e.message), 'updateNetwork: nothing can be denied without a network namespace')
+}
+await rejects(sbx.updateNetwork({ allowOut: ['1.1.1.1'] }), (e) => /cannot be honoured/.test(e.message), 'updateNetwork refuses an allowance')
 await sbx.setTimeout(300_000)
 check((await Sandbox.getFullInfo(sbx.sandboxId)).sandboxId === sbx.sandboxId, 'Sandbox.getFullInfo')
 check((await restored.pause()) === true, 'pause')

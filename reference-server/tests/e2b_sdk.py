@@ -26,6 +26,7 @@ from e2b import (
     FilesystemEventType,
     Sandbox,
     SandboxInfo,
+    SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
     WriteInfo,
@@ -229,6 +230,18 @@ oldest = Sandbox.list(query=SandboxQuery(metadata={"run": run_id}), order="asc")
 check([s.sandbox_id for s in newest] == [s.sandbox_id for s in reversed(oldest)], "list orders newest first, or oldest first with order=asc")
 check(Sandbox.list(query=SandboxQuery(metadata={"run": run_id}, template="no-such-template")).next_items() == [], "list filters by template")
 check(secure.is_running(), "is_running")
+# Egress: what denies is taken (where sandboxes have a network namespace of their own), what
+# would let traffic out is refused.
+try:
+    secure.update_network({"deny_out": ["8.8.8.8"]})
+    check(True, "update_network takes a denial")
+except SandboxException as e:
+    check("host's network" in str(e), "update_network: nothing can be denied without a network namespace")
+try:
+    secure.update_network({"allow_out": ["1.1.1.1"]})
+    raise AssertionError("an egress allowance was taken")
+except SandboxException as e:
+    check("cannot be honoured" in str(e), "update_network refuses an allowance it cannot honour")
 check(restored.beta_pause() is True, "beta_pause pauses")
 check(Sandbox.get_info(restored.sandbox_id).state == SandboxState.PAUSED, "a beta-paused sandbox reports paused")
 for other in [restored, *forks, secure]:

@@ -226,6 +226,12 @@ pub struct E2bState {
     pub secure: bool,
     /// The envd access token of a secure sandbox (returned to its team, checked by envd).
     pub access_token: Option<String>,
+    /// `allow_internet_access` as the create asked for it (`None`: not asked).
+    #[serde(default)]
+    pub allow_internet_access: Option<bool>,
+    /// The egress configuration the sandbox was created or last updated with (`None`: none).
+    #[serde(default)]
+    pub network: Option<Value>,
 }
 
 pub fn e2b_state(rec: &Record) -> E2bState {
@@ -291,6 +297,73 @@ fn domain(headers: &HeaderMap, state: &AppState) -> String {
         .unwrap_or_else(|| state.local_addr.to_string())
 }
 
+/// What a sandbox here can honour of an egress configuration. Its network namespace has only
+/// a loopback interface, so nothing outside the machine is reachable from it: what denies
+/// traffic is honoured as asked, and what would let traffic out (`allowOut`, per-domain
+/// `rules`, an egress proxy, `allow_internet_access: true`) or hides the sandbox behind a token
+/// or a host mask cannot be, and is refused rather than stored and ignored. Without a network
+/// namespace of its own (sandboxes on the host's network) nothing can be denied either.
+/// Returns the configuration to store.
+fn honourable_network(
+    state: &AppState,
+    allow_internet_access: Option<bool>,
+    network: Option<&Value>,
+) -> Result<Option<Value>, E2bError> {
+    let network = match network {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) if m.is_empty() => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(_) => return Err(E2bError::bad_request("network must be an object")),
+    };
+    if allow_internet_access == Some(true) {
+        return Err(E2bError::bad_request(
+            "allow_internet_access: true cannot be honoured: sandboxes here reach nothing outside this machine",
+        ));
+    }
+    if let Some(m) = &network {
+        for (key, value) in m {
+            let empty = match value {
+                Value::Null => true,
+                Value::Array(a) => a.is_empty(),
+                Value::Object(o) => o.is_empty(),
+                Value::String(s) => s.is_empty(),
+                _ => false,
+            };
+            match key.as_str() {
+                "denyOut" => {
+                    let entries = value.as_array().map(Vec::as_slice).unwrap_or_default();
+                    if !value.is_array() || entries.iter().any(|e| !e.is_string()) {
+                        return Err(E2bError::bad_request(
+                            "network.denyOut is a list of strings",
+                        ));
+                    }
+                }
+                "allowPublicTraffic" if value == &Value::Bool(true) => {}
+                "allowOut" | "rules" | "egressProxy" | "maskRequestHost" | "dnsServers"
+                    if empty => {}
+                other => {
+                    return Err(E2bError::bad_request(format!(
+                        "network.{other} cannot be honoured: sandboxes here reach nothing outside this machine, and their ports only through envd"
+                    )));
+                }
+            }
+        }
+    }
+    let denies = allow_internet_access == Some(false) || network.is_some();
+    if denies {
+        let provider = state
+            .providers
+            .get(state.providers.default_name())
+            .ok_or_else(|| ApiError::internal("no default provider"))?;
+        if provider.isolation_report().network != "loopback" {
+            return Err(E2bError::bad_request(
+                "egress cannot be denied here: sandboxes share the host's network (no network namespace)",
+            ));
+        }
+    }
+    Ok(network.map(Value::Object))
+}
+
 /// E2B's `Sandbox` (create, resume, connect).
 pub fn sandbox_view(
     state: &AppState,
@@ -347,8 +420,13 @@ fn listed_view(
                 OnTimeout::Pause => "pause",
             },
         });
-        if let Some(token) = e2b_state(rec).access_token {
+        let e2b = e2b_state(rec);
+        if let Some(token) = e2b.access_token {
             out["envdAccessToken"] = Value::String(token);
+        }
+        out["allowInternetAccess"] = json!(e2b.allow_internet_access);
+        if let Some(network) = e2b.network {
+            out["network"] = network;
         }
     }
     Ok(out)
@@ -401,9 +479,6 @@ impl NewSandbox {
         if self.auto_pause_memory == Some(false) {
             return Err(unsupported("autoPauseMemory: false"));
         }
-        if !is_empty_object(&self.network) {
-            return Err(unsupported("network"));
-        }
         if !is_empty_object(&self.mcp) {
             return Err(unsupported("mcp"));
         }
@@ -412,9 +487,6 @@ impl NewSandbox {
         }
         if self.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
             return Err(unsupported("volumeMounts"));
-        }
-        if self.allow_internet_access == Some(false) {
-            return Err(unsupported("allow_internet_access: false"));
         }
         Ok(())
     }
@@ -548,6 +620,7 @@ async fn create(
         }
     };
     req.refuse_unsupported()?;
+    let network = honourable_network(&state, req.allow_internet_access, req.network.as_ref())?;
     let timeout_s = parse_timeout(&state, req.timeout, default_timeout)?;
     let metadata = req.metadata.clone().unwrap_or_default();
     validate_metadata(&metadata)?;
@@ -561,6 +634,8 @@ async fn create(
         env,
         auto_pause: req.auto_pause.unwrap_or(false),
         secure,
+        allow_internet_access: req.allow_internet_access,
+        network,
     };
     let rec = create_sandbox(&state, &team, spec).await?;
     let body = sandbox_view(&state, &rec, &headers)?;
@@ -578,6 +653,8 @@ pub struct Spec {
     pub env: BTreeMap<String, String>,
     pub auto_pause: bool,
     pub secure: bool,
+    pub allow_internet_access: Option<bool>,
+    pub network: Option<Value>,
 }
 
 /// Creates a running sandbox in the default provider (and, for a snapshot, the snapshot's
@@ -632,6 +709,8 @@ pub async fn create_sandbox(state: &AppState, team: &Team, spec: Spec) -> Result
     let e2b = E2bState {
         secure: spec.secure,
         access_token: spec.secure.then(new_token),
+        allow_internet_access: spec.allow_internet_access,
+        network: spec.network.clone(),
     };
     let mut record = Record {
         kind: Kind::Sandbox,
@@ -1221,4 +1300,65 @@ pub async fn metrics_many(
         }
     }
     Ok(Json(json!({ "sandboxes": out })).into_response())
+}
+
+/// `SandboxNetworkUpdateConfig`: replaces the sandbox's egress configuration; omitted fields
+/// are cleared.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NetworkUpdate {
+    allow_out: Option<Value>,
+    deny_out: Option<Value>,
+    rules: Option<Value>,
+    egress_proxy: Option<Value>,
+    dns_servers: Option<Value>,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+/// `PUT /sandboxes/{id}/network`: the running sandbox's egress configuration becomes this
+/// one (what denies is honoured, what would let traffic out is refused, as at create). 204;
+/// 409 while paused.
+pub async fn update_network(
+    State(state): State<AppState>,
+    team: Team,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    raw: Bytes,
+) -> Result<Response, E2bError> {
+    let req: NetworkUpdate = body(&headers, &raw)?;
+    let mut network = serde_json::Map::new();
+    for (key, value) in [
+        ("allowOut", req.allow_out),
+        ("denyOut", req.deny_out),
+        ("rules", req.rules),
+        ("egressProxy", req.egress_proxy),
+        ("dnsServers", req.dns_servers),
+    ] {
+        if let Some(value) = value {
+            network.insert(key.to_owned(), value);
+        }
+    }
+    let network = honourable_network(
+        &state,
+        req.allow_internet_access,
+        Some(&Value::Object(network)),
+    )?;
+    let mut rec = owned(&state, &team, &id).await?;
+    // Compare and swap on the record's version, as every sandbox update does.
+    for _ in 0..16 {
+        require_running(&sandbox_of(&rec)?, &id)?;
+        let mut e2b = e2b_state(&rec);
+        e2b.allow_internet_access = req.allow_internet_access;
+        e2b.network = network.clone();
+        rec.body["e2b"] = serde_json::to_value(&e2b).map_err(ApiError::internal)?;
+        match state.store.update(&rec).await {
+            Ok(_) => return Ok(StatusCode::NO_CONTENT.into_response()),
+            Err(crate::store::StoreError::Conflict) => {
+                rec = owned(&state, &team, &id).await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::internal(format!("sandbox {id} kept changing under an update")).into())
 }

@@ -25,7 +25,7 @@ pub mod process;
 pub mod templates;
 
 use axum::Router;
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 
 use crate::api::AppState;
 
@@ -46,6 +46,7 @@ pub fn routes() -> Router<AppState> {
             post(templates::create_snapshot),
         )
         .route("/sandboxes/{id}/fork", post(templates::fork))
+        .route("/sandboxes/{id}/network", put(control::update_network))
         .route("/snapshots", get(templates::list_snapshots))
         .route("/templates/{id}", delete(templates::delete_template))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))

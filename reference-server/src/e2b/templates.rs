@@ -331,6 +331,8 @@ pub async fn fork(
             env: env.clone(),
             auto_pause: sandbox.on_timeout == OnTimeout::Pause,
             secure: e2b_state(&source).secure,
+            allow_internet_access: e2b_state(&source).allow_internet_access,
+            network: e2b_state(&source).network,
         };
         results.push(match create_sandbox(&state, &team, spec).await {
             Ok(rec) => json!({ "sandbox": sandbox_view(&state, &rec, &headers)? }),
