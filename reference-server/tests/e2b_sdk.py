@@ -29,6 +29,7 @@ from e2b import (
     SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
+    TimeoutException,
     WriteInfo,
 )
 from e2b.sandbox.commands.command_handle import PtySize
@@ -259,6 +260,14 @@ resumed = Sandbox.connect(sbx.sandbox_id)
 check(Sandbox.get_info(sbx.sandbox_id).state == SandboxState.RUNNING, "connect resumes a paused sandbox")
 check(resumed.files.read("/home/user/bin.dat", format="bytes") == blob, "files survive pause and resume")
 
+doomed = Sandbox.create(timeout=60, metadata={"run": run_id})
+running_cmd = doomed.commands.run("sleep 60", background=True)
+doomed.kill()
+try:
+    running_cmd.wait()
+    raise AssertionError("a command of a killed sandbox ended normally")
+except TimeoutException as e:
+    check("sandbox was killed" in str(e), "a command whose sandbox is killed fails as the sandbox's end")
 check(sbx.kill() is True, "kill")
 check(Sandbox.kill(sbx.sandbox_id) is False, "a second kill reports not found")
 try:

@@ -9,6 +9,7 @@
 //! event of a process that has already ended.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -22,7 +23,7 @@ use crate::api::AppState;
 use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId};
-use crate::sandbox::{ProviderError, Signal, TerminalSize};
+use crate::sandbox::{LocalProvider, ProviderError, Signal, TerminalSize};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;
 
@@ -248,10 +249,13 @@ fn end_of_record(p: &Process) -> Value {
 }
 
 /// Sends the process's events after `cursor` until its `exit` (then the end event and the
-/// end of the stream), the client going away, the sandbox ending, or shutdown.
+/// end of the stream), the client going away, the sandbox ending, or shutdown. A process
+/// ended because its sandbox was killed gets no end event: the stream fails, as upstream's
+/// does when the sandbox's machine goes away under it (the SDK then finds the sandbox gone).
 async fn pump(
     state: AppState,
     sender: StreamSender,
+    sandbox: (Arc<LocalProvider>, String),
     process_id: String,
     mut cursor: i64,
     keepalive: Option<Duration>,
@@ -289,6 +293,15 @@ async fn pump(
                     }
                     "stderr" => {
                         json!({"event": {"data": {"stderr": connect::encode_bytes(text.as_bytes())}}})
+                    }
+                    "exit" if sandbox.0.is_ending(&sandbox.1) => {
+                        sender
+                            .finish(Some(ConnectError::new(
+                                Code::Unavailable,
+                                "the sandbox was killed before the process ended",
+                            )))
+                            .await;
+                        return;
                     }
                     "exit" => {
                         if sender.send(&end_of_exit(&event.data)).await {
@@ -360,12 +373,13 @@ pub async fn start(
             let (response, sender) = connect::stream_response();
             let keepalive = connect::keepalive_interval(&headers);
             let pty = e2b_process(&rec).is_some_and(|p| p.pty);
+            let sandbox = (sbx.provider.clone(), sbx.local.clone());
             tokio::spawn(async move {
                 if sender
                     .send(&json!({"event": {"start": {"pid": pid}}}))
                     .await
                 {
-                    pump(state, sender, rec.id, 0, keepalive, pty).await;
+                    pump(state, sender, sandbox, rec.id, 0, keepalive, pty).await;
                 }
             });
             response
@@ -537,6 +551,7 @@ pub async fn connect_process(
     let (response, sender) = connect::stream_response();
     let keepalive = connect::keepalive_interval(&headers);
     let loses_exit = state.config.defects.has(Defect::E2bLateConnectLosesExit);
+    let sandbox = (sbx.provider.clone(), sbx.local.clone());
     tokio::spawn(async move {
         if !sender
             .send(&json!({"event": {"start": {"pid": pid}}}))
@@ -555,7 +570,7 @@ pub async fn connect_process(
             }
             None => {
                 let pty = e2b_process(&rec).is_some_and(|p| p.pty);
-                pump(state, sender, rec.id, cursor, keepalive, pty).await
+                pump(state, sender, sandbox, rec.id, cursor, keepalive, pty).await
             }
         }
     });

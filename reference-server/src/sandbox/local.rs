@@ -483,6 +483,15 @@ impl LocalProvider {
         Ok(())
     }
 
+    /// Whether the sandbox is being destroyed, or is gone: the processes that end then end
+    /// because their sandbox does.
+    pub fn is_ending(&self, local: &str) -> bool {
+        match lock(&self.sandboxes).get(local) {
+            Some(runtime) => lock(&runtime.inner).destroyed,
+            None => true,
+        }
+    }
+
     /// Kills every process of the sandbox and waits until each exit is recorded. New
     /// processes are refused from here on.
     async fn end_processes(&self, runtime: &Runtime) {
