@@ -211,6 +211,10 @@ pub enum Defect {
     E2bV2CreateMissing,
     /// envd `Update` answers but leaves a PTY process's terminal at its old size.
     E2bPtyResizeIgnored,
+    /// envd `Start` of a process that exits before writing anything ends the stream without its `end`.
+    E2bFastExitLosesEnd,
+    /// envd `POST /files` refuses `multipart/form-data` (415), taking only octet-stream bodies.
+    E2bMultipartUploadRefused,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -326,6 +330,8 @@ impl Defect {
         Defect::E2bMetricsEmpty,
         Defect::E2bV2CreateMissing,
         Defect::E2bPtyResizeIgnored,
+        Defect::E2bFastExitLosesEnd,
+        Defect::E2bMultipartUploadRefused,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -430,6 +436,8 @@ impl Defect {
             Defect::E2bMetricsEmpty => "e2b-metrics-empty",
             Defect::E2bV2CreateMissing => "e2b-v2-create-missing",
             Defect::E2bPtyResizeIgnored => "e2b-pty-resize-ignored",
+            Defect::E2bFastExitLosesEnd => "e2b-fast-exit-loses-end",
+            Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -575,6 +583,8 @@ impl Defect {
             Defect::E2bMetricsEmpty => "E2B: metrics are always empty",
             Defect::E2bV2CreateMissing => "E2B: POST /v2/sandboxes is missing",
             Defect::E2bPtyResizeIgnored => "E2B: Update leaves a terminal at its old size",
+            Defect::E2bFastExitLosesEnd => "E2B: a command that fails at once gets no end event",
+            Defect::E2bMultipartUploadRefused => "E2B: multipart uploads are refused",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

@@ -550,6 +550,15 @@ pub async fn write_file(
         .unwrap_or("")
         .to_ascii_lowercase();
     let mut writes: Vec<(String, Vec<u8>)> = Vec::new();
+    if content_type.starts_with("multipart/form-data")
+        && state.config.defects.has(Defect::E2bMultipartUploadRefused)
+    {
+        // The defect: only octet-stream bodies are taken.
+        return Err(EnvdError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "uploads are application/octet-stream",
+        ));
+    }
     if content_type.starts_with("multipart/form-data") {
         let (parts, body) = request.into_parts();
         let body = upload_body(&headers, body, limit, &state.config.defects).await?;

@@ -263,6 +263,8 @@ async fn pump(
 ) {
     let stream = process_stream(&process_id);
     let mut woken = state.log.follow(&stream);
+    // For the defect `e2b-fast-exit-loses-end`: whether the process wrote anything yet.
+    let mut wrote = cursor > 0;
     let mut ping = keepalive.map(|d| {
         let mut t = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -303,6 +305,12 @@ async fn pump(
                             .await;
                         return;
                     }
+                    "exit" if !wrote && state.config.defects.has(Defect::E2bFastExitLosesEnd) => {
+                        // The defect: a process that ended before writing anything is taken
+                        // for one that never started, and its stream just stops.
+                        sender.finish(None).await;
+                        return;
+                    }
                     "exit" => {
                         if sender.send(&end_of_exit(&event.data)).await {
                             sender.finish(None).await;
@@ -311,6 +319,7 @@ async fn pump(
                     }
                     _ => continue,
                 };
+                wrote = true;
                 if !sender.send(&message).await {
                     return;
                 }
