@@ -180,6 +180,10 @@ try:
     raise AssertionError("a command past its timeout did not raise")
 except Exception as e:
     check("timeout" in type(e).__name__.lower() or "timeout" in str(e).lower(), "commands.run(timeout=) ends a long command with a timeout error")
+fed = sbx.commands.run("cat", background=True, stdin=True)
+sbx.commands.stream_input(fed.pid, ["one ", b"two\n"])
+sbx.commands.close_stdin(fed.pid)
+check(fed.wait().stdout == "one two\n", "commands.stream_input sends each chunk in order")
 tagged = sbx.commands.run("sleep 600", background=True)
 check(tagged.kill() is True, "CommandHandle.kill")
 
@@ -190,6 +194,13 @@ sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
 sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
 ended = term.wait(on_pty=lambda data: size_lines.append(data.decode()))
 check(ended.exit_code == 0 and "30 100" in "".join(size_lines), "pty.create, resize and send_stdin on a real terminal")
+typed = []
+term = sbx.pty.create(PtySize(rows=24, cols=80))
+sbx.pty.stream_input(term.pid, [b"echo stream", b"ed-in; exit\n"])
+check(term.wait(on_pty=lambda d: typed.append(d.decode())).exit_code == 0 and "streamed-in" in "".join(typed), "pty.stream_input types each chunk")
+term = sbx.pty.create(PtySize(rows=24, cols=80))
+attached_term = sbx.pty.connect(term.pid)
+check(attached_term.pid == term.pid, "pty.connect attaches by pid")
 term = sbx.pty.create(PtySize(rows=24, cols=80))
 check(sbx.pty.kill(term.pid) is True, "pty.kill")
 

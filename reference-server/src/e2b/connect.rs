@@ -254,6 +254,92 @@ pub fn stream_request<T: DeserializeOwned>(
     decode_json(message)
 }
 
+/// The messages of a client stream (`application/connect+json` envelopes, one after another
+/// in the request body), read as they arrive: a request whose messages are acted on one by
+/// one while the client is still sending.
+pub struct ClientStream {
+    body: axum::body::BodyDataStream,
+    buffer: Vec<u8>,
+}
+
+impl ClientStream {
+    pub fn new(headers: &HeaderMap, body: Body) -> Result<Self, ConnectError> {
+        if media_type(headers) != "application/connect+json" {
+            return Err(ConnectError::invalid(
+                "streaming calls take Content-Type application/connect+json",
+            ));
+        }
+        Ok(Self {
+            body: body.into_data_stream(),
+            buffer: Vec::new(),
+        })
+    }
+
+    /// The next message, or `None` once the body has ended between two envelopes.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ConnectError> {
+        use futures_util::StreamExt as _;
+        loop {
+            if self.buffer.len() >= 5 {
+                let len = u32::from_be_bytes([
+                    self.buffer[1],
+                    self.buffer[2],
+                    self.buffer[3],
+                    self.buffer[4],
+                ]) as usize;
+                if len > MAX_MESSAGE {
+                    return Err(ConnectError::new(
+                        Code::ResourceExhausted,
+                        format!("message of {len} bytes exceeds {MAX_MESSAGE}"),
+                    ));
+                }
+                if self.buffer.len() >= 5 + len {
+                    let flags = self.buffer[0];
+                    if flags & COMPRESSED != 0 {
+                        return Err(ConnectError::new(
+                            Code::Unimplemented,
+                            "compressed messages are not supported",
+                        ));
+                    }
+                    if flags != 0 {
+                        return Err(ConnectError::invalid(format!(
+                            "unexpected envelope flags {flags:#04x}"
+                        )));
+                    }
+                    let message: Vec<u8> = self.buffer.drain(..5 + len).skip(5).collect();
+                    return decode_json(&message).map(Some);
+                }
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buffer.extend_from_slice(&chunk),
+                Some(Err(e)) => {
+                    return Err(ConnectError::invalid(format!(
+                        "the request body broke off: {e}"
+                    )));
+                }
+                None if self.buffer.is_empty() => return Ok(None),
+                None => {
+                    return Err(ConnectError::invalid(
+                        "the request body ends inside an envelope",
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The answer of a client stream: its one message, then the end of the stream.
+pub fn client_stream_response<T: Serialize>(message: &T) -> Response {
+    let body = serde_json::to_vec(message).unwrap_or_else(|_| b"{}".to_vec());
+    let mut bytes = envelope(0, &body).to_vec();
+    bytes.extend_from_slice(&envelope(END_STREAM, b"{}"));
+    let mut response = Response::new(Body::from(bytes));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
+    response
+}
+
 /// Splits the first envelope off `bytes`: (flags, message, the rest).
 pub fn split_envelope(bytes: &[u8]) -> Result<(u8, &[u8], &[u8]), ConnectError> {
     if bytes.len() < 5 {
@@ -383,6 +469,40 @@ pub fn decode_bytes(text: &str) -> Result<Vec<u8>, ConnectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_client_stream_yields_messages_split_anywhere_and_names_a_cut() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/connect+json"),
+        );
+        let mut bytes = envelope(0, br#"{"a":1}"#).to_vec();
+        bytes.extend_from_slice(&envelope(0, br#"{"a":2}"#));
+        // Chunks that cut the prefix and the message of both envelopes.
+        let chunks: Vec<Result<Bytes, std::io::Error>> = [&bytes[..3], &bytes[3..9], &bytes[9..]]
+            .into_iter()
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let body = Body::from_stream(futures_util::stream::iter(chunks));
+        let mut stream = ClientStream::new(&headers, body).unwrap();
+        let first: serde_json::Value = stream.next().await.unwrap().unwrap();
+        let second: serde_json::Value = stream.next().await.unwrap().unwrap();
+        assert_eq!(
+            (first["a"].clone(), second["a"].clone()),
+            (1.into(), 2.into())
+        );
+        assert!(stream.next::<serde_json::Value>().await.unwrap().is_none());
+
+        let cut = Body::from(bytes[..8].to_vec());
+        let mut stream = ClientStream::new(&headers, cut).unwrap();
+        let err = stream.next::<serde_json::Value>().await.unwrap_err();
+        assert!(
+            err.message.contains("ends inside an envelope"),
+            "{}",
+            err.message
+        );
+    }
 
     #[test]
     fn envelopes_round_trip_and_framing_faults_are_named() {

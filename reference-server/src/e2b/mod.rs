@@ -66,6 +66,7 @@ pub fn routes() -> Router<AppState> {
         .route("/process.Process/SendSignal", post(process::send_signal))
         .route("/process.Process/CloseStdin", post(process::close_stdin))
         .route("/process.Process/Update", post(process::update))
+        .route("/process.Process/StreamInput", post(process::stream_input))
         .route("/filesystem.Filesystem/Stat", post(filesystem::stat))
         .route("/filesystem.Filesystem/ListDir", post(filesystem::list_dir))
         .route("/filesystem.Filesystem/MakeDir", post(filesystem::make_dir))

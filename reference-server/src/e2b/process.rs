@@ -695,6 +695,78 @@ pub async fn send_input(
     unary(result.await)
 }
 
+/// One message of `StreamInput`: `start` (which process), then `data` and `keepalive`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamInputRequest {
+    start: Option<SelectorRequest>,
+    data: Option<StreamInputData>,
+    keepalive: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamInputData {
+    input: Option<ProcessInput>,
+}
+
+/// `StreamInput` (a client stream): `start` names a running process, then each `data`
+/// message's input is written to its stdin or terminal as it arrives, as `SendInput` would.
+/// Answered once the client's stream ends.
+pub async fn stream_input(
+    State(state): State<AppState>,
+    sbx: EnvdSandbox,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let result = async {
+        let mut stream = connect::ClientStream::new(&headers, body)?;
+        let first: StreamInputRequest = stream
+            .next()
+            .await?
+            .ok_or_else(|| ConnectError::invalid("the stream starts with `start`"))?;
+        let selector = first
+            .start
+            .ok_or_else(|| ConnectError::invalid("the stream starts with `start`"))?
+            .process;
+        let rec = running(&state, &sbx, selector).await?;
+        let on_terminal = e2b_process(&rec).is_some_and(|p| p.pty);
+        while let Some(message) = stream.next::<StreamInputRequest>().await? {
+            let _ = message.keepalive;
+            if message.start.is_some() {
+                return Err(ConnectError::invalid("`start` comes once, first"));
+            }
+            let Some(input) = message.data.and_then(|d| d.input) else {
+                continue;
+            };
+            match (input.stdin, input.pty, on_terminal) {
+                (Some(stdin), None, false) => sbx
+                    .provider
+                    .write_stdin(&rec.id, &connect::decode_bytes(&stdin)?, false)
+                    .await
+                    .map_err(provider_error)?,
+                (None, Some(pty), true) => sbx
+                    .provider
+                    .write_terminal(&rec.id, &connect::decode_bytes(&pty)?)
+                    .await
+                    .map_err(provider_error)?,
+                (None, None, _) => {}
+                _ => {
+                    return Err(ConnectError::new(
+                        Code::FailedPrecondition,
+                        "input goes to a terminal as pty bytes, else to stdin",
+                    ));
+                }
+            }
+        }
+        Ok::<_, ConnectError>(())
+    };
+    match result.await {
+        Ok(()) => connect::client_stream_response(&json!({})),
+        Err(e) => connect::stream_error(e),
+    }
+}
+
 /// `Update`: resizes the terminal of a process started with a `pty`.
 pub async fn update(
     State(state): State<AppState>,
