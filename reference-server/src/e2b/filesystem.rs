@@ -2,14 +2,12 @@
 //! ListDir, MakeDir, Move, Remove, the WatchDir stream and the polling watchers
 //! (CreateWatcher, GetWatcherEvents, RemoveWatcher) that the Python SDK's `watch_dir` uses.
 //!
-//! Watching compares snapshots of the directory (each entry's kind, size and modification
-//! time): an entry that appears is `CREATE`, one that goes is `REMOVE`, a file whose size or
-//! time changed is `WRITE`. Changes between two looks are coalesced (a file created and then
-//! written is one `CREATE`), where upstream's inotify reports each.
+//! Watching is inotify's, as upstream's (envd watches with fsnotify): one event per change
+//! the kernel reports, so a file created and then written is a `CREATE` and a `WRITE`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -20,15 +18,15 @@ use serde_json::{Value, json};
 
 use crate::api::AppState;
 use crate::defects::{Defect, Defects};
-use crate::sandbox::{FileError, SandboxFiles};
+use crate::sandbox::{DirWatch, FileError, SandboxFiles};
 
 use super::connect::{self, Code, ConnectError};
 use super::envd::{EnvdSandbox, blocking, to_e2b, to_rel};
 
-/// How often a WatchDir stream looks at its directory.
+/// How often a WatchDir stream looks at its queue without a wake-up.
 const WATCH_POLL: Duration = Duration::from_millis(200);
-/// Most entries one snapshot walks, so a watch on a huge tree stays bounded.
-const MAX_WATCHED: usize = 10_000;
+/// How long `GetWatcherEvents` lets the kernel's events of changes made just before it come in.
+const WATCH_SETTLE: Duration = Duration::from_millis(50);
 /// Most polling watchers alive at once on this server.
 const MAX_WATCHERS: usize = 1024;
 
@@ -327,95 +325,102 @@ pub async fn remove(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Respon
     .await
 }
 
-/// What a watch remembers of each entry below its directory.
-type Snapshot = BTreeMap<String, (&'static str, u64, Option<SystemTime>)>;
-
-/// Walks `dir` (root-relative), one level or the whole tree, keyed by the path relative to
-/// `dir`.
-fn snapshot(files: &SandboxFiles, dir: &str, recursive: bool) -> Result<Snapshot, FileError> {
-    let mut out = Snapshot::new();
-    let mut pending = vec![String::new()];
-    while let Some(sub) = pending.pop() {
-        let full = match (dir.is_empty(), sub.is_empty()) {
-            (_, true) => dir.to_owned(),
-            (true, false) => sub.clone(),
-            (false, false) => format!("{dir}/{sub}"),
-        };
-        let entries = match files.list(&full) {
-            Ok(entries) => entries,
-            // A subdirectory removed while walking: its REMOVE shows on the next look.
-            Err(FileError::NotFound) if !sub.is_empty() => continue,
-            Err(e) => return Err(e),
-        };
-        for entry in entries {
-            let name = if sub.is_empty() {
-                entry.name.clone()
-            } else {
-                format!("{sub}/{}", entry.name)
-            };
-            let path = if dir.is_empty() {
-                name.clone()
-            } else {
-                format!("{dir}/{name}")
-            };
-            let modified = files.stat(&path).ok().and_then(|s| s.modified);
-            if recursive && entry.kind == "dir" {
-                pending.push(name.clone());
-            }
-            out.insert(name, (entry.kind, entry.size, modified));
-            if out.len() >= MAX_WATCHED {
-                return Ok(out);
-            }
-        }
+/// envd's `EventType` of a watch event's kind.
+fn event_type(kind: &str) -> &'static str {
+    match kind {
+        "create" => "EVENT_TYPE_CREATE",
+        "write" => "EVENT_TYPE_WRITE",
+        "remove" => "EVENT_TYPE_REMOVE",
+        "rename" => "EVENT_TYPE_RENAME",
+        _ => "EVENT_TYPE_CHMOD",
     }
-    Ok(out)
 }
 
-/// The events that turn `old` into `new`: (name relative to the watched directory, type).
-/// `skip_writes` is the deliberate defect `e2b-watch-misses-writes`.
-fn diff(old: &Snapshot, new: &Snapshot, skip_writes: bool) -> Vec<(String, &'static str)> {
-    let mut out = Vec::new();
-    for (name, now) in new {
-        match old.get(name) {
-            None => out.push((name.clone(), "EVENT_TYPE_CREATE")),
-            Some(before) if before.0 != now.0 => {
-                out.push((name.clone(), "EVENT_TYPE_REMOVE"));
-                out.push((name.clone(), "EVENT_TYPE_CREATE"));
-            }
-            Some(before) if now.0 == "file" && before != now && !skip_writes => {
-                out.push((name.clone(), "EVENT_TYPE_WRITE"))
-            }
-            Some(_) => {}
-        }
-    }
-    for name in old.keys() {
-        if !new.contains_key(name) {
-            out.push((name.clone(), "EVENT_TYPE_REMOVE"));
-        }
-    }
-    out
-}
-
-fn event_json(
+/// The `FilesystemEvent`s of what a watch saw since its last look: named relative to the
+/// watched directory `dir`, with the entry (when asked for) of those that leave one behind
+/// (create, write, chmod). The defect `e2b-watch-misses-writes` drops the writes.
+fn look(
+    watch: &mut DirWatch,
     files: &SandboxFiles,
     defects: &Defects,
     dir: &str,
-    name: &str,
-    kind: &str,
     include_entry: bool,
-) -> Value {
-    let mut event = json!({"name": name, "type": kind});
-    if include_entry && kind != "EVENT_TYPE_REMOVE" {
-        let rel = if dir.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{dir}/{name}")
-        };
-        if let Ok(entry) = entry_info(files, &rel, defects) {
-            event["entry"] = entry;
-        }
+) -> Result<Vec<Value>, ConnectError> {
+    let skip_writes = defects.has(Defect::E2bWatchMissesWrites);
+    Ok(watch
+        .events()
+        .map_err(|e| ConnectError::from(FileError::Io(e)))?
+        .into_iter()
+        .filter(|e| !(skip_writes && e.kind == "write"))
+        .map(|e| {
+            let mut event = json!({"name": e.name, "type": event_type(e.kind)});
+            if include_entry
+                && matches!(e.kind, "create" | "write" | "chmod")
+                && let Ok(entry) = entry_info(files, &join(dir, &e.name), defects)
+            {
+                event["entry"] = entry;
+            }
+            event
+        })
+        .collect())
+}
+
+/// Most events a watch holds for its reader; past them the oldest are dropped, as a kernel
+/// queue overflows.
+const MAX_QUEUED: usize = 10_000;
+
+/// Runs a watch: its events are read as soon as the kernel has them (so that a directory
+/// made below a recursive watch is watched before anything is made in it), turned into
+/// `FilesystemEvent`s and queued for the reader until it goes away.
+fn run_watch(
+    watch: DirWatch,
+    files: SandboxFiles,
+    defects: Defects,
+    dir: String,
+    include_entry: bool,
+) -> Result<(Queue, tokio::task::AbortHandle), ConnectError> {
+    // SAFETY: the watch owns its inotify descriptor, never replaces it, and closes it only when
+    // dropped, which the `AsyncFd` that owns the watch does last.
+    let mut readable = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(watch, tokio::io::Interest::READABLE)
     }
-    event
+    .map_err(|e| ConnectError::from(FileError::Io(e.into_parts().1)))?;
+    let queue: Queue = std::sync::Arc::new((Mutex::new(Vec::new()), tokio::sync::Notify::new()));
+    let filled = queue.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = readable.readable_mut().await else {
+                return;
+            };
+            let looked = look(guard.get_inner_mut(), &files, &defects, &dir, include_entry);
+            guard.clear_ready();
+            let events = match looked {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!(error = %e.message, "a directory watch failed");
+                    return;
+                }
+            };
+            if events.is_empty() {
+                continue;
+            }
+            {
+                let mut queued = filled.0.lock().unwrap_or_else(|e| e.into_inner());
+                queued.extend(events);
+                let over = queued.len().saturating_sub(MAX_QUEUED);
+                queued.drain(..over);
+            }
+            filled.1.notify_one();
+        }
+    });
+    Ok((queue, task.abort_handle()))
+}
+
+/// A watch's events waiting for their reader, and the wake-up of a reader that waits.
+type Queue = std::sync::Arc<(Mutex<Vec<Value>>, tokio::sync::Notify)>;
+
+fn drain(queue: &Queue) -> Vec<Value> {
+    std::mem::take(&mut *queue.0.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The directory a watch request names, checked to exist and be a directory.
@@ -427,6 +432,19 @@ fn watched_dir(files: &SandboxFiles, path: &str) -> Result<String, ConnectError>
     }
 }
 
+/// A watch of the directory a request names: (its root-relative path, the watch).
+fn start_watch(
+    files: &SandboxFiles,
+    path: &str,
+    recursive: bool,
+) -> Result<(String, DirWatch), ConnectError> {
+    let dir = watched_dir(files, path)?;
+    let watch = files
+        .watch(&dir, recursive)
+        .map_err(|e| not_found_as(e, "directory"))?;
+    Ok((dir, watch))
+}
+
 /// `WatchDir`: `start`, then a `filesystem` event per change until the client goes away.
 pub async fn watch_dir(
     State(state): State<AppState>,
@@ -436,75 +454,64 @@ pub async fn watch_dir(
 ) -> Response {
     let setup = async {
         let req: WatchRequest = connect::stream_request(&headers, &body)?;
+        // There are no network mounts in a sandbox here: the flag changes nothing.
         let _ = req.allow_network_mounts;
         let files = sbx.files()?;
-        let path = req.path.clone();
-        let recursive = req.recursive;
-        let (files, dir, snap) = blocking(move || {
-            let dir = watched_dir(&files, &path)?;
-            let snap = snapshot(&files, &dir, recursive)?;
-            Ok::<_, ConnectError>((files, dir, snap))
+        let (path, recursive) = (req.path.clone(), req.recursive);
+        let (files, dir, watch) = blocking(move || {
+            let (dir, watch) = start_watch(&files, &path, recursive)?;
+            Ok::<_, ConnectError>((files, dir, watch))
         })
         .await?;
-        Ok::<_, ConnectError>((req, files, dir, snap))
+        Ok::<_, ConnectError>((req, files, dir, watch))
     };
-    let (req, files, dir, mut snap) = match setup.await {
+    let (req, files, dir, watch) = match setup.await {
         Ok(ready) => ready,
+        Err(e) => return connect::stream_error(e),
+    };
+    let (queue, task) = match run_watch(watch, files, sbx.defects.clone(), dir, req.include_entry) {
+        Ok(running) => running,
         Err(e) => return connect::stream_error(e),
     };
     let (response, sender) = connect::stream_response();
     let keepalive = connect::keepalive_interval(&headers);
-    let files = std::sync::Arc::new(files);
     tokio::spawn(async move {
+        // The watch ends with its stream.
+        let _watch = AbortOnDrop(task);
         if !sender.send(&json!({"start": {}})).await {
             return;
         }
-        let mut last_ping = tokio::time::Instant::now();
+        let mut ping = keepalive.map(|d| {
+            let mut t = tokio::time::interval_at(tokio::time::Instant::now() + d, d);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        });
         loop {
+            let tick = async {
+                match ping.as_mut() {
+                    Some(t) => {
+                        t.tick().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
+                () = queue.1.notified() => {}
+                // A wake-up given before this reader waited is not lost: look anyway.
                 () = tokio::time::sleep(WATCH_POLL) => {}
+                () = tick => {
+                    if !sender.send(&json!({"keepalive": {}})).await {
+                        return;
+                    }
+                }
                 () = sender.closed() => return,
                 () = state.shutdown.cancelled() => {
                     sender.finish(Some(ConnectError::new(Code::Unavailable, "the server is shutting down"))).await;
                     return;
                 }
             }
-            let looked = {
-                let (files, dir, old) = (std::sync::Arc::clone(&files), dir.clone(), snap.clone());
-                let (recursive, include) = (req.recursive, req.include_entry);
-                let skip_writes = state.config.defects.has(Defect::E2bWatchMissesWrites);
-                let defects = state.config.defects.clone();
-                blocking(move || {
-                    let new = snapshot(&files, &dir, recursive)?;
-                    let events: Vec<Value> = diff(&old, &new, skip_writes)
-                        .into_iter()
-                        .map(|(name, kind)| {
-                            event_json(&files, &defects, &dir, &name, kind, include)
-                        })
-                        .collect();
-                    Ok::<_, ConnectError>((new, events))
-                })
-                .await
-            };
-            match looked {
-                Ok((new, events)) => {
-                    snap = new;
-                    for event in events {
-                        if !sender.send(&json!({ "filesystem": event })).await {
-                            return;
-                        }
-                    }
-                }
-                Err(e) => {
-                    sender.finish(Some(e)).await;
-                    return;
-                }
-            }
-            if let Some(every) = keepalive
-                && last_ping.elapsed() >= every
-            {
-                last_ping = tokio::time::Instant::now();
-                if !sender.send(&json!({"keepalive": {}})).await {
+            for event in drain(&queue) {
+                if !sender.send(&json!({ "filesystem": event })).await {
                     return;
                 }
             }
@@ -513,13 +520,20 @@ pub async fn watch_dir(
     response
 }
 
-/// A polling watcher: its sandbox, directory and the snapshot of its last look.
+/// Ends a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A polling watcher: its sandbox and its running watch's queue (the watch ends with it).
 struct Watcher {
     sandbox: String,
-    dir: String,
-    recursive: bool,
-    include_entry: bool,
-    snapshot: Snapshot,
+    queue: Queue,
+    _task: AbortOnDrop,
 }
 
 /// The polling watchers of this server, by ID. They live in memory, as upstream's live in
@@ -535,12 +549,13 @@ pub async fn create_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -
     let result = async {
         let req: WatchRequest = connect::unary_request(&headers, &body)?;
         let files = sbx.files()?;
-        let (dir, snap) = blocking(move || {
-            let dir = watched_dir(&files, &req.path)?;
-            let snap = snapshot(&files, &dir, req.recursive)?;
-            Ok::<_, ConnectError>((dir, snap))
+        let (path, recursive) = (req.path.clone(), req.recursive);
+        let (dir, watch, files) = blocking(move || {
+            let (dir, watch) = start_watch(&files, &path, recursive)?;
+            Ok::<_, ConnectError>((dir, watch, files))
         })
         .await?;
+        let (queue, task) = run_watch(watch, files, sbx.defects.clone(), dir, req.include_entry)?;
         let id = format!("w_{}", ulid::Ulid::new().to_string().to_lowercase());
         let mut all = watchers();
         let all = all.get_or_insert_with(HashMap::new);
@@ -554,10 +569,8 @@ pub async fn create_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -
             id.clone(),
             Watcher {
                 sandbox,
-                dir,
-                recursive: req.recursive,
-                include_entry: req.include_entry,
-                snapshot: snap,
+                queue,
+                _task: AbortOnDrop(task),
             },
         );
         Ok(json!({ "watcherId": id }))
@@ -568,38 +581,18 @@ pub async fn create_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -
 pub async fn get_watcher_events(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -> Response {
     let result = async {
         let req: WatcherRequest = connect::unary_request(&headers, &body)?;
-        let (dir, recursive, include, old) = {
+        let queue = {
             let all = watchers();
             let w = all
                 .as_ref()
                 .and_then(|all| all.get(&req.watcher_id))
                 .filter(|w| w.sandbox == sbx.rec.id)
                 .ok_or_else(|| ConnectError::not_found("watcher not found"))?;
-            (
-                w.dir.clone(),
-                w.recursive,
-                w.include_entry,
-                w.snapshot.clone(),
-            )
+            w.queue.clone()
         };
-        let files = sbx.files()?;
-        let skip_writes = sbx.defects.has(Defect::E2bWatchMissesWrites);
-        let defects = sbx.defects.clone();
-        let (new, events) = blocking(move || {
-            let new = snapshot(&files, &dir, recursive)?;
-            let events: Vec<Value> = diff(&old, &new, skip_writes)
-                .into_iter()
-                .map(|(name, kind)| event_json(&files, &defects, &dir, &name, kind, include))
-                .collect();
-            Ok::<_, ConnectError>((new, events))
-        })
-        .await?;
-        if let Some(w) = watchers()
-            .as_mut()
-            .and_then(|all| all.get_mut(&req.watcher_id))
-        {
-            w.snapshot = new;
-        }
+        // Changes made just before this call may still be on their way from the kernel.
+        tokio::time::sleep(WATCH_SETTLE).await;
+        let events = drain(&queue);
         Ok(json!({ "events": events }))
     };
     unary(result.await)
@@ -624,32 +617,6 @@ pub async fn remove_watcher(sbx: EnvdSandbox, headers: HeaderMap, body: Bytes) -
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn snapshots_diff_into_create_write_and_remove() {
-        let t = Some(SystemTime::UNIX_EPOCH);
-        let later = Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1));
-        let old: Snapshot = [
-            ("kept".to_owned(), ("file", 1, t)),
-            ("written".to_owned(), ("file", 1, t)),
-            ("gone".to_owned(), ("file", 1, t)),
-        ]
-        .into();
-        let new: Snapshot = [
-            ("kept".to_owned(), ("file", 1, t)),
-            ("written".to_owned(), ("file", 1, later)),
-            ("new".to_owned(), ("dir", 0, t)),
-        ]
-        .into();
-        assert_eq!(
-            diff(&old, &new, false),
-            vec![
-                ("new".to_owned(), "EVENT_TYPE_CREATE"),
-                ("written".to_owned(), "EVENT_TYPE_WRITE"),
-                ("gone".to_owned(), "EVENT_TYPE_REMOVE"),
-            ]
-        );
-    }
 
     #[test]
     fn permissions_read_like_ls() {

@@ -127,12 +127,20 @@ impl SandboxFiles {
         match &self.access {
             Access::Confined(dir) => {
                 if let Some(parent) = parent {
+                    // The directories this write makes, which are given to the sandbox's uid;
+                    // those that were there keep their owner (and see no change).
+                    let mut made = Vec::new();
+                    let mut prefix = PathBuf::new();
+                    for part in parent.components() {
+                        prefix.push(part);
+                        if !made.is_empty() || !dir.exists(&prefix) {
+                            made.push(prefix.clone());
+                        }
+                    }
                     dir.create_dir_all(parent).map_err(map_io)?;
                     if let Some(uid) = self.owner {
-                        let mut prefix = PathBuf::new();
-                        for part in parent.components() {
-                            prefix.push(part);
-                            let sub = dir.open_dir(&prefix).map_err(map_io)?;
+                        for made in made {
+                            let sub = dir.open_dir(&made).map_err(map_io)?;
                             give(&sub, uid)?;
                         }
                     }
@@ -403,6 +411,21 @@ impl SandboxFiles {
         Ok(())
     }
 
+    /// Watches the directory at `path` (and, with `recursive`, every directory below it, those
+    /// made later included) for changes, with inotify: one event per change the kernel
+    /// reports, as envd's fsnotify watcher sees them.
+    pub fn watch(&self, path: &str, recursive: bool) -> Result<DirWatch, FileError> {
+        let rel = normalize(path)?;
+        let target = if rel.is_empty() { "." } else { rel.as_str() };
+        let base = match &self.access {
+            Access::Confined(dir) => dir.open_dir(target).map_err(map_io)?,
+            Access::Joined(root) => {
+                Dir::open_ambient_dir(root.join(target), ambient_authority()).map_err(map_io)?
+            }
+        };
+        DirWatch::new(base, recursive).map_err(FileError::Io)
+    }
+
     /// A descriptor of the entry at `path` (symlinks followed, confined to the root) that the
     /// extended-attribute calls take.
     fn open_for_attributes(&self, path: &str) -> Result<std::os::fd::OwnedFd, FileError> {
@@ -547,6 +570,223 @@ fn map_io(e: io::Error) -> FileError {
             Some(libc::ENAMETOOLONG) => FileError::InvalidPath,
             _ => FileError::Io(e),
         },
+    }
+}
+
+/// What happened to one entry below a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchEvent {
+    /// The entry's path relative to the watched directory.
+    pub name: String,
+    /// `create`, `write`, `remove`, `rename` (moved away) or `chmod` (attributes changed).
+    pub kind: &'static str,
+}
+
+/// An inotify watch on a directory ([`SandboxFiles::watch`]); its events are read without
+/// waiting, so a poller decides how often to look.
+pub struct DirWatch {
+    fd: std::os::fd::OwnedFd,
+    /// The watched directory, through which directories below it are opened (confined).
+    base: Dir,
+    recursive: bool,
+    /// Each watch descriptor's directory, relative to the watched one (`""` for itself).
+    dirs: std::collections::HashMap<i32, String>,
+}
+
+/// Most directories one watch covers: each is an inotify watch, of which the kernel grants a
+/// user a limited number for all its instances.
+const MAX_WATCHED_DIRS: usize = 4096;
+
+/// The changes a watch asks the kernel for, as fsnotify's do.
+const WATCH_MASK: u32 = libc::IN_CREATE
+    | libc::IN_MODIFY
+    | libc::IN_ATTRIB
+    | libc::IN_DELETE
+    | libc::IN_MOVED_FROM
+    | libc::IN_MOVED_TO
+    // Not IN_DONT_FOLLOW: the name given is the descriptor's magic link in /proc, which must
+    // be followed to the directory it stands for.
+    | libc::IN_ONLYDIR;
+
+/// The inotify descriptor, for waiting until it has events (it reads without blocking).
+impl std::os::fd::AsRawFd for DirWatch {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.fd)
+    }
+}
+
+impl DirWatch {
+    fn new(base: Dir, recursive: bool) -> io::Result<Self> {
+        use std::os::fd::FromRawFd as _;
+        // SAFETY: inotify_init1 has no preconditions; the descriptor it returns is owned here.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: just opened and owned by nobody else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let mut watch = Self {
+            fd,
+            base,
+            recursive,
+            dirs: std::collections::HashMap::new(),
+        };
+        watch.add("")?;
+        Ok(watch)
+    }
+
+    /// Watches the directory `rel` (below the watched one) and, when recursive, the ones
+    /// below it. A directory gone meanwhile is skipped.
+    fn add(&mut self, rel: &str) -> io::Result<()> {
+        if self.dirs.len() >= MAX_WATCHED_DIRS {
+            return Err(io::Error::other(format!(
+                "a watch covers at most {MAX_WATCHED_DIRS} directories"
+            )));
+        }
+        let dir = if rel.is_empty() {
+            self.base.try_clone()?
+        } else {
+            match self.base.open_dir(rel) {
+                Ok(dir) => dir,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        };
+        // The directory was opened through the capability; the watch is put on that very
+        // inode by its descriptor's name, so no path outside the root is ever resolved.
+        let path = std::ffi::CString::new(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&dir)
+        ))
+        .map_err(io::Error::other)?;
+        // SAFETY: a NUL-terminated path and a descriptor owned here.
+        let wd = unsafe {
+            libc::inotify_add_watch(
+                std::os::fd::AsRawFd::as_raw_fd(&self.fd),
+                path.as_ptr(),
+                WATCH_MASK,
+            )
+        };
+        if wd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.dirs.insert(wd, rel.to_owned());
+        if self.recursive {
+            for entry in dir.entries()? {
+                let entry = entry?;
+                if entry.file_type()?.is_dir() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let child = if rel.is_empty() {
+                        name
+                    } else {
+                        format!("{rel}/{name}")
+                    };
+                    self.add(&child)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The events since the last look, in the order the kernel reported them. A directory
+    /// created below a recursive watch is watched from then on, and what was made in it
+    /// before that is reported as created.
+    pub fn events(&mut self) -> io::Result<Vec<WatchEvent>> {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            // SAFETY: the buffer is valid for its length; the descriptor is owned here.
+            let n = unsafe {
+                libc::read(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.fd),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    return Ok(out);
+                }
+                return Err(e);
+            }
+            let n = n as usize;
+            let mut at = 0;
+            let header = std::mem::size_of::<libc::inotify_event>();
+            while at + header <= n {
+                // SAFETY: the kernel wrote a whole event header at `at`; read unaligned.
+                let event: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+                let name_bytes = &buf[at + header..at + header + event.len as usize];
+                let name = String::from_utf8_lossy(
+                    name_bytes.split(|b| *b == 0).next().unwrap_or_default(),
+                )
+                .into_owned();
+                at += header + event.len as usize;
+                if event.mask & libc::IN_IGNORED != 0 {
+                    self.dirs.remove(&event.wd);
+                    continue;
+                }
+                let Some(dir) = self.dirs.get(&event.wd).cloned() else {
+                    continue;
+                };
+                if name.is_empty() {
+                    // An event of the watched directory itself: its entry in its parent
+                    // reports it.
+                    continue;
+                }
+                let path = if dir.is_empty() {
+                    name
+                } else {
+                    format!("{dir}/{name}")
+                };
+                let mask = event.mask;
+                let kind = if mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
+                    "create"
+                } else if mask & libc::IN_MODIFY != 0 {
+                    "write"
+                } else if mask & libc::IN_DELETE != 0 {
+                    "remove"
+                } else if mask & libc::IN_MOVED_FROM != 0 {
+                    "rename"
+                } else if mask & libc::IN_ATTRIB != 0 {
+                    "chmod"
+                } else {
+                    continue;
+                };
+                out.push(WatchEvent {
+                    name: path.clone(),
+                    kind,
+                });
+                if kind == "create" && mask & libc::IN_ISDIR != 0 && self.recursive {
+                    // Entries made in the new directory before its watch was in place.
+                    let before = self.dirs.len();
+                    self.add(&path)?;
+                    if self.dirs.len() > before {
+                        self.created_below(&path, &mut out)?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reports every entry below the directory `rel` (just watched) as created.
+    fn created_below(&self, rel: &str, out: &mut Vec<WatchEvent>) -> io::Result<()> {
+        let Ok(dir) = self.base.open_dir(rel) else {
+            return Ok(());
+        };
+        for entry in dir.entries()? {
+            let entry = entry?;
+            let name = format!("{rel}/{}", entry.file_name().to_string_lossy());
+            out.push(WatchEvent {
+                name: name.clone(),
+                kind: "create",
+            });
+            if entry.file_type()?.is_dir() {
+                self.created_below(&name, out)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,9 @@ mod local;
 mod process;
 mod provider;
 
-pub use files::{EntryStat, FileEntry, FileError, SandboxFiles, WriteOutcome};
+pub use files::{
+    DirWatch, EntryStat, FileEntry, FileError, SandboxFiles, WatchEvent, WriteOutcome,
+};
 pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
 pub use local::{Isolation, IsolationReport, LocalProvider, Usage};
 pub use process::TerminalSize;
