@@ -39,7 +39,10 @@ pub fn router(state: AppState) -> Router {
     let routes = api::routes()
         .merge(gateway::routes(&state))
         .merge(e2b::routes());
-    api::shared_handling(routes, state)
+    // Around everything, so that any path reaches a sandbox's port when a request is routed
+    // to one (E2B's proxy); every other request goes on to the routes.
+    let proxy = axum::middleware::from_fn_with_state(state.clone(), e2b::envd::port_proxy);
+    api::shared_handling(routes, state).layer(proxy)
 }
 
 /// How long shutdown waits for open connections to finish their current response.

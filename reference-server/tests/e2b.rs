@@ -1948,3 +1948,68 @@ async fn network_denials_are_taken_and_allowances_refused() {
     .await;
     e2b_error(&foreign, 404);
 }
+
+/// A port served inside a sandbox is reached as the SDK's `get_host` names it: by the routing
+/// headers with that port, or by the host form `<port>-<id>.<domain>`; a port nothing listens
+/// on is the proxy's 502, and the caller's credentials never reach the sandbox.
+#[tokio::test]
+async fn a_sandbox_port_is_reached_through_the_proxy() {
+    let app = spawn_app(|_| {}).await;
+    let (id, token) = create(&app, ALICE, json!({"templateID": "base"})).await;
+    let rb = envd(&app, &id, Some(&token), "/files?path=served/index.txt")
+        .header("Content-Type", "application/octet-stream")
+        .body("served from inside");
+    Reply::read(rb.send().await.unwrap()).await.ok(200);
+    let server = envd(&app, &id, Some(&token), "/process.Process/Start")
+        .header("Content-Type", "application/connect+json")
+        .body(envelope(&json!({"process": {
+            "cmd": "python3",
+            "args": ["-m", "http.server", "8123", "--bind", "127.0.0.1", "--directory", "served"],
+        }})));
+    let _server = tokio::spawn(server.send());
+    let by_header = support::poll(|| async {
+        let reply = app
+            .client
+            .get(app.url("/index.txt"))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "8123")
+            .send()
+            .await
+            .ok()?;
+        let reply = Reply::read(reply).await;
+        (reply.status.as_u16() == 200).then_some(reply)
+    })
+    .await;
+    assert_eq!(&by_header.body[..], b"served from inside");
+    let by_host = app
+        .client
+        .get(app.url("/index.txt"))
+        .header("Host", format!("8123-{id}.sandbox.test"))
+        .send()
+        .await
+        .unwrap();
+    let by_host = Reply::read(by_host).await;
+    assert_eq!(
+        (by_host.status.as_u16(), &by_host.body[..]),
+        (200, b"served from inside".as_slice())
+    );
+    let closed = app
+        .client
+        .get(app.url("/"))
+        .header("E2b-Sandbox-Id", &id)
+        .header("E2b-Sandbox-Port", "8124")
+        .send()
+        .await
+        .unwrap();
+    let body = e2b_error(&Reply::read(closed).await, 502);
+    assert_eq!(body["sandboxId"], id.as_str());
+    let unknown = app
+        .client
+        .get(app.url("/"))
+        .header("E2b-Sandbox-Id", "nosuchsandbox")
+        .header("E2b-Sandbox-Port", "8123")
+        .send()
+        .await
+        .unwrap();
+    e2b_error(&Reply::read(unknown).await, 502);
+}

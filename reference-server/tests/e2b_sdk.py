@@ -224,6 +224,24 @@ req = urllib.request.Request(upload, data=body, method="POST", headers={"Content
 with urllib.request.urlopen(req) as resp:
     check(resp.status == 200 and secure.files.read("uploaded.txt") == "up", "upload_url is signed with the access token")
 
+# A port served inside the sandbox, reached at the host get_host names (routed here by the
+# same headers E2B_SANDBOX_URL routes envd by).
+secure.files.write("site/hello.txt", "hello from a port")
+web = secure.commands.run("python3 -m http.server 8123 --bind 127.0.0.1 --directory site", background=True)
+host = secure.get_host(8123)
+check(host == f"8123-{secure.sandbox_id}.{secure.sandbox_domain}", "get_host names the port's host")
+page = None
+for _ in range(100):
+    try:
+        req = urllib.request.Request(os.environ["E2B_SANDBOX_URL"] + "/hello.txt", headers={"Host": host})
+        with urllib.request.urlopen(req) as resp:
+            page = resp.read()
+        break
+    except urllib.error.URLError:
+        time.sleep(0.1)
+check(page == b"hello from a port", "the port get_host names reaches the sandbox's server")
+web.kill()
+
 # Snapshots, forks, metrics, the list's order and filters.
 snap = secure.create_snapshot()
 check(snap.snapshot_id.startswith("snp_"), "create_snapshot returns its ID")

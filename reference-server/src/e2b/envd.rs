@@ -302,6 +302,106 @@ pub async fn sandbox_for(
     })
 }
 
+/// Requests routed to a sandbox port other than envd's (the `E2b-Sandbox-Port` header, or
+/// the host form `<port>-<id>.<domain>` that the SDK's `get_host` names) are forwarded to
+/// that port as the sandbox's own processes reach it, as E2B's proxy forwards them; every
+/// other request goes on to the routes. A port nothing listens on is the proxy's 502.
+pub async fn port_proxy(
+    State(state): State<AppState>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let target = route_of(request.headers()).and_then(|(id, port)| {
+        let port: u16 = port?.parse().ok()?;
+        (port != ENVD_PORT).then_some((id, port))
+    });
+    let Some((id, port)) = target else {
+        return next.run(request).await;
+    };
+    match forward_to_port(&state, &id, port, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn forward_to_port(
+    state: &AppState,
+    id: &str,
+    port: u16,
+    request: Request,
+) -> Result<Response, EnvdError> {
+    // The port is public, as a sandbox's ports are upstream unless `allowPublicTraffic:
+    // false` (which this server refuses): the sandbox ID is the address.
+    let mut headers = request.headers().clone();
+    headers.insert(
+        "e2b-sandbox-id",
+        HeaderValue::from_str(id).map_err(|_| {
+            EnvdError::new(
+                StatusCode::BAD_REQUEST,
+                "the sandbox ID is not a header value",
+            )
+        })?,
+    );
+    headers.insert("e2b-sandbox-port", HeaderValue::from(ENVD_PORT));
+    let sbx = sandbox_for(state, &headers, Access::Exempt).await?;
+    let closed = || EnvdError {
+        status: StatusCode::BAD_GATEWAY,
+        message: "The sandbox is running but port is not open".into(),
+        sandbox_id: Some(id.to_owned()),
+    };
+    let stream = sbx
+        .provider
+        .connect(&sbx.local, port)
+        .await
+        .map_err(|_| closed())?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|_| closed())?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "sandbox port connection ended");
+        }
+    });
+    let (mut parts, body) = request.into_parts();
+    // Origin form over a connection of its own; the routing headers and the caller's
+    // credentials stay here.
+    let target = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "/".into());
+    parts.uri = target
+        .parse()
+        .map_err(|_| EnvdError::new(StatusCode::BAD_REQUEST, "the request target is not a URI"))?;
+    parts.version = axum::http::Version::HTTP_11;
+    for name in [
+        "e2b-sandbox-id",
+        "e2b-sandbox-port",
+        "x-access-token",
+        "x-api-key",
+        "authorization",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "upgrade",
+        "te",
+        "trailer",
+    ] {
+        parts.headers.remove(name);
+    }
+    if let Ok(host) = HeaderValue::from_str(&format!("localhost:{port}")) {
+        parts.headers.insert(header::HOST, host);
+    }
+    let response = sender
+        .send_request(axum::http::Request::from_parts(parts, body))
+        .await
+        .map_err(|_| closed())?;
+    let (parts, body) = response.into_parts();
+    Ok(Response::from_parts(parts, Body::new(body)))
+}
+
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
