@@ -869,13 +869,14 @@ async fn envd_stdin_signals_list_and_unknown_processes() {
             &json!({"process": {"cmd": "sleep", "args": ["600"]}, "tag": "sleeper"}),
         ));
     let sleeper = tokio::spawn(rb.send());
+    // The sleeper itself: the `cat` before it may still be listed until its exit is recorded.
     support::poll(|| async {
         let listed = unary(&app, &id, &token, "process.Process/List", json!({}))
             .await
             .ok(200);
         listed["processes"]
             .as_array()
-            .is_some_and(|p| !p.is_empty())
+            .is_some_and(|p| p.iter().any(|p| p["tag"] == "sleeper"))
             .then_some(())
     })
     .await;
@@ -1672,20 +1673,24 @@ async fn watched_events(app: &TestApp) -> Vec<Vec<Value>> {
 }
 
 /// The event types of each look, without the `CHMOD`s of the ownership changes the files API
-/// makes (there are some only when the sandbox has a uid of its own).
+/// makes (there are some only when the sandbox has a uid of its own) and with repeats of one
+/// type in a row as one (inotify merges an event into the same one still unread before it).
 fn without_chmod(looks: Vec<Vec<Value>>) -> Vec<Vec<Value>> {
     looks
         .into_iter()
         .map(|look| {
-            look.into_iter()
+            let mut types: Vec<Value> = look
+                .into_iter()
                 .filter(|t| t != "EVENT_TYPE_CHMOD")
-                .collect()
+                .collect();
+            types.dedup();
+            types
         })
         .collect()
 }
 
 /// One event per change, as inotify reports them (envd's fsnotify too): a new file is created
-/// then written, an overwrite truncates then writes, a removal removes.
+/// then written, an overwrite written, a removal removed.
 #[tokio::test]
 async fn a_watcher_sees_create_write_and_remove() {
     let app = spawn_app(|_| {}).await;
@@ -1693,7 +1698,7 @@ async fn a_watcher_sees_create_write_and_remove() {
         without_chmod(watched_events(&app).await),
         [
             vec![json!("EVENT_TYPE_CREATE"), json!("EVENT_TYPE_WRITE")],
-            vec![json!("EVENT_TYPE_WRITE"), json!("EVENT_TYPE_WRITE")],
+            vec![json!("EVENT_TYPE_WRITE")],
             vec![json!("EVENT_TYPE_REMOVE")]
         ]
     );
