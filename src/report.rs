@@ -395,6 +395,10 @@ pub struct RunReport {
     /// that the evidence says they did not run. Never counted as passed or skipped.
     #[serde(default)]
     pub not_applicable: Vec<NotApplicable>,
+    /// The operations the run's profile lists, which the evidence measures the scenarios'
+    /// requests against.
+    #[serde(default)]
+    pub operations: Vec<crate::profile::Operation>,
 }
 
 /// A selected scenario that was not run because it cannot apply to the target.
@@ -882,6 +886,7 @@ mod tests {
             scenarios,
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
+            operations: Vec::new(),
         };
         let xml = junit_xml(&rep, &BTreeMap::new());
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");

@@ -252,6 +252,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         profiles,
         run_sweep,
         not_applicable: plan.not_applicable,
+        operations: target.profile().operations(),
     };
     let gate = baseline.map(|b| gate_of(&b, &report, &facts));
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;

@@ -92,6 +92,7 @@ impl<'a> Cleaner<'a> {
                     reason: self.s(&n.reason),
                 })
                 .collect(),
+            operations: r.operations.clone(),
         }
     }
 

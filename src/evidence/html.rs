@@ -117,6 +117,21 @@ pub(crate) fn render(
         scenarios: r.scenarios.iter().map(scenario_row).collect(),
         coverage: coverage(r),
         uncovered: uncovered_must_clauses(r),
+        operations: r.operations.as_ref().map(|ops| {
+            let rows = ops
+                .operations
+                .iter()
+                .map(|o| {
+                    (
+                        o.name(),
+                        o.group.clone(),
+                        o.statuses_text(),
+                        o.scenarios.join(", "),
+                    )
+                })
+                .collect();
+            (ops.line(), rows)
+        }),
         legend: LEGEND,
         timeline_total: seconds(timeline_total_ms(r)),
         bars: bars(r),
@@ -214,6 +229,9 @@ struct Page<'a> {
     scenarios: Vec<ScenarioRow>,
     coverage: Vec<ClauseRow>,
     uncovered: Vec<String>,
+    /// The operation coverage's sentence, and each operation's name, group, statuses and
+    /// scenarios; `None` where the profile lists no operations.
+    operations: Option<(String, Vec<OperationLine>)>,
     legend: &'static [(&'static str, &'static str)],
     timeline_total: String,
     bars: Vec<Bar>,
@@ -232,6 +250,9 @@ const LEGEND: &[(&str, &str)] = &[
     ("fail", "FAIL"),
     ("error", "ERROR"),
 ];
+
+/// An operation on the page: its name, group, statuses and the scenarios that called it.
+type OperationLine = (String, String, String, String);
 
 struct ProfileRow {
     profile: String,

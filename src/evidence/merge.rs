@@ -362,6 +362,9 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
         sanitizer,
         merged_from,
         gate,
+        operations: super::operations::OperationCoverage::merge(
+            parts.iter().filter_map(|r| r.operations.as_ref()),
+        ),
         documents: Vec::new(),
     };
     Ok(Statement {
@@ -480,6 +483,7 @@ fn junit_report(r: &Receipt) -> RunReport {
             .collect(),
         run_sweep: crate::live::RunSweep::default(),
         not_applicable: r.selection.not_applicable.clone(),
+        operations: Vec::new(),
     }
 }
 

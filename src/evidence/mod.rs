@@ -12,6 +12,7 @@ mod folder;
 mod html;
 mod merge;
 mod normalize;
+mod operations;
 mod placeholders;
 mod receipt;
 mod sanitize;
@@ -26,6 +27,7 @@ pub use compare::{Change, Diff, RunRef, Spread, TimeChange, VerdictChange};
 pub use folder::sha256_hex;
 pub use merge::{MergeError, Merged, merge};
 pub use normalize::normalize;
+pub use operations::{OperationCoverage, OperationRow};
 pub use placeholders::Placeholders;
 pub use receipt::{
     AbsenceConfirmation, ClauseCoverage, Cleanup, Counts, Coverage, Digest, Environment, FileRef,

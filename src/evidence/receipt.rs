@@ -150,6 +150,10 @@ pub struct Receipt {
     /// baseline, and whether every failure was expected. Absent without a baseline.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gate: Option<Gate>,
+    /// For every operation the profile lists, the scenarios whose requests called it and the
+    /// statuses they were answered with. Absent where the profile lists no operations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operations: Option<super::operations::OperationCoverage>,
     /// `summary.md`, `junit.xml` and `report.html` with their SHA-256, so that a signature
     /// over the receipt covers the views of it too. Filled in by the writer once they are
     /// rendered (they are rendered from the receipt without this list).
@@ -681,6 +685,10 @@ impl Statement {
                 sanitizer: input.sanitizer.clone(),
                 merged_from: Vec::new(),
                 gate: input.gate.clone(),
+                operations: super::operations::OperationCoverage::of(
+                    &report.operations,
+                    &report.scenarios,
+                ),
                 documents: Vec::new(),
             },
         }

@@ -264,6 +264,9 @@ pub(crate) fn render(statement: &Statement) -> String {
     }
 
     coverage(&mut md, statement);
+    if let Some(ops) = &r.operations {
+        operations(&mut md, ops);
+    }
 
     md.push_str("\n## Timings\n\n");
     if r.measurements.is_empty() && r.streams.is_empty() {
@@ -389,6 +392,31 @@ fn coverage(md: &mut String, statement: &Statement) {
                 cell(&scenarios.join(", "))
             }
         );
+    }
+}
+
+/// The operation coverage: each operation the profile lists, the scenarios that called it and
+/// what it was answered, then the ones no scenario called.
+fn operations(md: &mut String, ops: &super::operations::OperationCoverage) {
+    let _ = writeln!(md, "\n## Operations\n\n{}\n", ops.line());
+    md.push_str("| operation | group | statuses | scenarios |\n|---|---|---|---|\n");
+    for o in &ops.operations {
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} |",
+            cell(&o.name()),
+            cell(&o.group),
+            o.statuses_text(),
+            cell(&o.scenarios.join(", "))
+        );
+    }
+    if !ops.uncalled.is_empty() {
+        let listed: Vec<String> = ops
+            .uncalled
+            .iter()
+            .map(|u| format!("`{}`", cell(u)))
+            .collect();
+        let _ = writeln!(md, "\nNo scenario called: {}.", listed.join(", "));
     }
 }
 

@@ -96,6 +96,13 @@ pub trait Profile: Send + Sync {
         dry_run: bool,
     ) -> BoxFuture<'a, Result<Vec<Swept>, String>>;
 
+    /// The operations of the protocol (method and path template, in groups), which the
+    /// evidence measures the run's requests against (`operations` of the receipt); empty
+    /// where the profile lists none.
+    fn operations(&self) -> Vec<super::operations::Operation> {
+        Vec::new()
+    }
+
     /// The MUST clauses `sandspec list` measures its selection's coverage against, with the
     /// document they are in; `None` where the profile's document has no such count.
     fn listed_coverage(&self) -> Option<(&'static str, Vec<&'static str>)> {

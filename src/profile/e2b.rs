@@ -79,6 +79,12 @@ impl Profile for E2b {
         api_key(token)
     }
 
+    /// The control plane's endpoints, envd's Connect RPCs and its HTTP endpoints, as the
+    /// tables of `docs/profiles/e2b.md` list them.
+    fn operations(&self) -> Vec<super::operations::Operation> {
+        super::operations::from_tables(CLAUSES.text)
+    }
+
     fn created(&self, method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
         created(method, path, status, body)
     }

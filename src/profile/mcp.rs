@@ -45,6 +45,12 @@ impl Profile for Mcp {
         e2b::api_key(token)
     }
 
+    /// The MCP server is judged by what the E2B control plane shows: the requests a run sends
+    /// are E2B's, so E2B's operations are what they are measured against.
+    fn operations(&self) -> Vec<super::operations::Operation> {
+        super::e2b::E2b.operations()
+    }
+
     /// The reference server is the control plane here, a fixture and not what is judged: its
     /// test controls stay usable (a create held in flight).
     fn reference_capabilities(&self, advertised: Capabilities) -> Capabilities {

@@ -14,10 +14,12 @@ mod binding;
 mod clauses;
 pub mod e2b;
 pub mod mcp;
+mod operations;
 mod registry;
 pub mod v1;
 
 pub use api::Api;
 pub use binding::{CapabilitySource, Clauses, CreatedKind, Creation, Defects, Launched, Profile};
 pub use clauses::{Clause, ClauseTable, Level, RowLevels, parse_clauses};
+pub use operations::{Operation, from_openapi, from_tables, operation_of};
 pub use registry::{clause_level, defects_for, profile_folders};

@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::api::Api;
 use super::binding::{CapabilitySource, Clauses, CreatedKind, Creation, Profile};
 use super::clauses::{Clause, Level, parse_clauses};
+use super::operations::Operation;
 use crate::live::{RUN_TAG, RunSweep, Swept, SweptList, sweep_older_over, sweep_run_over, why};
 use crate::target::{Capabilities, Conn, Tokens};
 
@@ -186,7 +187,17 @@ impl Profile for V1 {
     fn listed_coverage(&self) -> Option<(&'static str, Vec<&'static str>)> {
         Some(("docs/protocol.md", must_clauses().collect()))
     }
+
+    fn operations(&self) -> Vec<Operation> {
+        OPERATIONS.clone()
+    }
 }
+
+/// The contract's operations: every method of every path of `docs/openapi.yaml`, embedded
+/// as it was when the runner was built (a test keeps the document parseable).
+static OPERATIONS: LazyLock<Vec<Operation>> = LazyLock::new(|| {
+    super::operations::from_openapi(include_str!("../../docs/openapi.yaml")).unwrap_or_default()
+});
 
 fn bearer(token: &str) -> (&'static str, String) {
     ("Authorization", format!("Bearer {token}"))
