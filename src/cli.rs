@@ -67,8 +67,9 @@ pub struct RunArgs {
     /// Start the service under test with this command (`sh -c`), for `--api agent-sandbox`:
     /// it gets `$SANDSPEC_PORT` (a free loopback port), `$SANDSPEC_POLICY` (a policy file
     /// naming two principals whose fresh tokens are in `$SANDSPEC_OWNER_TOKEN` and
-    /// `$SANDSPEC_OTHER_TOKEN`) and `$SANDSPEC_BASE_DIR`; the run waits for `GET /health`
-    /// and stops the command's process group at the end.
+    /// `$SANDSPEC_OTHER_TOKEN`, and a third without rights, `$SANDSPEC_UNSCOPED_TOKEN`) and
+    /// `$SANDSPEC_BASE_DIR`; the run waits for `GET /health` and stops the command's process
+    /// group at the end.
     #[arg(long, value_name = "COMMAND", conflicts_with = "target")]
     pub launch: Option<String>,
     /// The directory the target confines files to, for `--api agent-sandbox` with --target
@@ -84,6 +85,11 @@ pub struct RunArgs {
     /// Environment variable holding the test-controls admin token (with --target).
     #[arg(long, value_name = "NAME", requires = "target")]
     pub admin_token_env: Option<String>,
+    /// Environment variable holding the token of a principal the target knows that holds
+    /// none of the rights its operations need (with --target), for the scenarios that check a
+    /// valid token without the right is refused.
+    #[arg(long, value_name = "NAME", requires = "target")]
+    pub unscoped_token_env: Option<String>,
     /// PEM file of a private CA to trust (only it) for an https target.
     #[arg(long, value_name = "FILE", requires = "target")]
     pub ca_file: Option<PathBuf>,

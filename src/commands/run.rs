@@ -82,6 +82,7 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
                 .clone()
                 .ok_or_else(|| RunError::Usage("--target needs --other-token-env".into()))?,
             admin_token_env: args.admin_token_env.clone(),
+            unscoped_token_env: args.unscoped_token_env.clone(),
             ca_file: args.ca_file.clone(),
             peer_url: args.peer_url.clone(),
             base_dir: args.base_dir.clone(),

@@ -124,6 +124,12 @@ impl Ctx<'_> {
     }
 }
 
+/// A request sent but not yet recorded: its transcript entry so far and what came back.
+pub(super) struct Sent {
+    exchange: HttpExchange,
+    outcome: Result<Observed, (String, bool)>,
+}
+
 /// A request ready to send.
 pub(super) struct Prepared {
     /// The endpoint it goes to.
@@ -164,6 +170,7 @@ impl<'a> Ctx<'a> {
             Principal::Other => Some(&self.target.tokens.other),
             Principal::Admin => self.target.tokens.admin.as_deref(),
             Principal::Anonymous => None,
+            Principal::Unscoped => self.target.tokens.unscoped.as_deref(),
         }
     }
 
@@ -221,10 +228,23 @@ impl<'a> Ctx<'a> {
         p: &Prepared,
         label: &str,
     ) -> Result<Observed, StepError> {
+        let sent = self.send_detached(client, p, label).await;
+        self.record(p, sent)
+    }
+
+    /// Sends a prepared request without touching the run's state, so that it can go out while
+    /// another part of a step holds the context (a request while a stream is open); the
+    /// answer is recorded and judged afterwards with [`Ctx::record`].
+    pub(super) async fn send_detached(
+        &self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+    ) -> Sent {
         let at_ms = self.at();
-        let sent = Instant::now();
+        let started = Instant::now();
         let outcome = exchange(self.builder(client, p), self.target.request_timeout).await;
-        let mut exchange = HttpExchange {
+        let exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
             credential: self.credential(p),
@@ -240,10 +260,18 @@ impl<'a> Ctx<'a> {
             status: None,
             response_headers: Vec::new(),
             response_body: None,
-            duration_ms: 0,
+            duration_ms: ms(started.elapsed()),
             error: None,
         };
-        exchange.duration_ms = ms(sent.elapsed());
+        Sent { exchange, outcome }
+    }
+
+    /// Records a request sent with [`Ctx::send_detached`] and classifies its outcome.
+    pub(super) fn record(&mut self, p: &Prepared, sent: Sent) -> Result<Observed, StepError> {
+        let Sent {
+            mut exchange,
+            outcome,
+        } = sent;
         let result = match outcome {
             Ok(obs) => {
                 exchange.status = Some(obs.status);

@@ -251,6 +251,12 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
             "admin_token" if target.tokens.admin.is_none() => {
                 return Some("no admin token (--admin-token-env)".into());
             }
+            "unscoped_token" if target.tokens.unscoped.is_none() => {
+                return Some(
+                    "no principal without rights (--unscoped-token-env; a launched service has one)"
+                        .into(),
+                );
+            }
             "server_control" if !target.server_controllable() => {
                 return Some(crate::target::NO_SERVER_CONTROL.to_owned());
             }
@@ -263,7 +269,8 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
                         .into(),
                 );
             }
-            "peer" | "admin_token" | "server_control" | "database_control" | "restart" => continue,
+            "peer" | "admin_token" | "unscoped_token" | "server_control" | "database_control"
+            | "restart" => continue,
             _ => {}
         }
         if !target.capabilities.has(&cap.value) {

@@ -19,6 +19,7 @@ mod digest;
 mod fault;
 mod kind;
 mod mcp;
+mod operations;
 mod parallel;
 mod poll;
 mod request;
@@ -135,4 +136,6 @@ step_kinds! {
     /// Starts the deployment's database server again.
     "start_database" => StartDatabase(fault::StartDatabase),
     "restart" => Restart(restart::Restart),
+    /// The same request to every operation of some groups of the profile's operation table.
+    "operations" => Operations(operations::Operations),
 }

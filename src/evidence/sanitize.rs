@@ -378,6 +378,9 @@ pub fn for_tokens(tokens: &crate::target::Tokens) -> Result<Sanitizer, SecretErr
     if let Some(admin) = &tokens.admin {
         s.add_secret(admin, "admin-token")?;
     }
+    if let Some(unscoped) = &tokens.unscoped {
+        s.add_secret(unscoped, "unscoped-token")?;
+    }
     Ok(s)
 }
 

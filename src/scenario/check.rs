@@ -271,6 +271,9 @@ impl<'a> Checker<'a> {
         if principal == Principal::Admin && !ctx.requires.contains("admin_token") {
             self.err(pos, "`as: admin` needs `requires: [admin_token]`");
         }
+        if principal == Principal::Unscoped && !ctx.requires.contains("unscoped_token") {
+            self.err(pos, "`as: unscoped` needs `requires: [unscoped_token]`");
+        }
     }
 
     /// Test controls (`/v1/test/...`, protocol §9) exist only where advertised.

@@ -25,6 +25,9 @@ pub enum Principal {
     Admin,
     /// No Authorization header at all (unless `headers` sets one).
     Anonymous,
+    /// A principal the target knows that holds none of the rights the operations need
+    /// (needs `requires: [unscoped_token]`).
+    Unscoped,
 }
 
 impl fmt::Display for Principal {
@@ -34,6 +37,7 @@ impl fmt::Display for Principal {
             Principal::Other => "other",
             Principal::Admin => "admin",
             Principal::Anonymous => "anonymous",
+            Principal::Unscoped => "unscoped",
         })
     }
 }

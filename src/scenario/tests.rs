@@ -492,6 +492,34 @@ fn what_goes_beyond_the_contract_must_be_declared() {
         "bad.yaml:7:45: `as: admin` needs `requires: [admin_token]`",
     );
     check_err(
+        &header("steps:\n  - request: {as: unscoped, method: GET, path: /v1/x}\n"),
+        "bad.yaml:6:48: `as: unscoped` needs `requires: [unscoped_token]`",
+    );
+    check_err(
+        &header(
+            "steps:\n  - operations: {name: all, groups: [g], as: unscoped, expect: {status: 403}}\n",
+        ),
+        "bad.yaml:6:24: `as: unscoped` needs `requires: [unscoped_token]`",
+    );
+    check_err(
+        &header(
+            "steps:\n  - operations: {name: all, groups: [], except: {nothing: why}, params: {id: \"{{nope}}\"}, expect: {status: 401}}\n",
+        ),
+        "bad.yaml:6:37: `groups` names no group",
+    );
+    check_err(
+        &header(
+            "steps:\n  - operations: {name: all, groups: [g], except: {nothing: why}, expect: {status: 401}}\n",
+        ),
+        "bad.yaml:6:24: `except` entry `nothing`: write `METHOD /path: why it gets no request`",
+    );
+    check_err(
+        &header(
+            "steps:\n  - operations: {name: all, groups: [g], params: {id: \"{{nope}}\"}, expect: {status: 401}}\n",
+        ),
+        "bad.yaml:6:55: unknown variable `nope`",
+    );
+    check_err(
         &header("steps:\n  - sse: {as: admin, path: /v1/test/x}\n"),
         "bad.yaml:6:28: `as: admin` needs `requires: [admin_token]`",
     );
@@ -517,7 +545,7 @@ fn what_goes_beyond_the_contract_must_be_declared() {
     );
     check_err(
         &header("requires: [teleport]\nsteps:\n  - request: {method: GET, path: /v1/x}\n"),
-        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, server_control, database_control, restart, isolation, memory_limit)",
+        "bad.yaml:5:12: unknown capability `teleport` (known: pause, snapshots, previews, test_controls, sessions, fixture_models, expiry_hold, two_providers, peer, admin_token, unscoped_token, server_control, database_control, restart, isolation, memory_limit)",
     );
     // Declared, they parse; an empty model names no script (a validation check).
     let text = header(

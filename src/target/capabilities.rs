@@ -10,10 +10,11 @@ use super::error::TargetError;
 
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
-/// `{{provider.other}}`); `peer` and `admin_token` are what the runner was given (a second
-/// endpoint, the test-controls admin token); `server_control` and `database_control` are
-/// what the runner itself started and may therefore kill, restart, stop and start (the
-/// reference server's processes, the private PostgreSQL cluster of its database);
+/// `{{provider.other}}`); `peer`, `admin_token` and `unscoped_token` are what the runner was
+/// given (a second endpoint, the test-controls admin token, a principal without rights);
+/// `server_control` and `database_control` are what the runner itself started and may
+/// therefore kill, restart, stop and start (the reference server's processes, the private
+/// PostgreSQL cluster of its database);
 /// `isolation` means `capabilities.isolation.namespaces` holds user, mount, pid and network;
 /// `memory_limit` means `capabilities.isolation.enforced` holds `memory`.
 pub const CAPABILITIES: &[&str] = &[
@@ -27,6 +28,7 @@ pub const CAPABILITIES: &[&str] = &[
     "two_providers",
     "peer",
     "admin_token",
+    "unscoped_token",
     "server_control",
     "database_control",
     "restart",

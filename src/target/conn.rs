@@ -17,6 +17,9 @@ pub struct Tokens {
     pub owner: String,
     pub other: String,
     pub admin: Option<String>,
+    /// A principal the target knows that holds none of the rights its operations need (a
+    /// token without scopes), for the checks that a valid token is not enough.
+    pub unscoped: Option<String>,
 }
 
 impl std::fmt::Debug for Tokens {
@@ -118,6 +121,7 @@ mod tests {
             owner: "o".into(),
             other: "b".into(),
             admin: Some("a".into()),
+            unscoped: None,
         };
         assert_eq!(format!("{tokens:?}"), "Tokens { .. }");
     }

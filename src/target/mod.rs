@@ -201,6 +201,7 @@ impl Target {
             owner: read(&url.owner_token_env)?,
             other: read(&url.other_token_env)?,
             admin: url.admin_token_env.as_deref().map(read).transpose()?,
+            unscoped: url.unscoped_token_env.as_deref().map(read).transpose()?,
         };
         let ca = url.ca_file.as_deref().map(read_ca).transpose()?;
         let mut target = match api.profile().capability_source() {
@@ -483,6 +484,7 @@ mod tests {
             owner: "o".into(),
             other: "b".into(),
             admin: None,
+            unscoped: None,
         }
     }
 

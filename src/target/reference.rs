@@ -68,6 +68,7 @@ impl ReferenceServer {
             owner: random_token(),
             other: random_token(),
             admin: Some(random_token()),
+            unscoped: None,
         };
         Self::start_with_tokens(options, tokens).await
     }
@@ -349,6 +350,7 @@ mod tests {
             owner: "o".into(),
             other: "b".into(),
             admin: Some("a".into()),
+            unscoped: None,
         };
         let text = config_toml(&tokens);
         assert!(text.contains("token = \"o\"") && text.contains("admin_token = \"a\""));

@@ -54,6 +54,8 @@ pub struct UrlEndpoint {
     pub owner_token_env: String,
     pub other_token_env: String,
     pub admin_token_env: Option<String>,
+    /// The variable holding the token of a principal without the operations' rights.
+    pub unscoped_token_env: Option<String>,
     /// A private CA to trust, and only it.
     pub ca_file: Option<PathBuf>,
     /// A second endpoint of the same deployment.
@@ -73,6 +75,7 @@ impl UrlEndpoint {
             owner_token_env: owner_token_env.to_owned(),
             other_token_env: other_token_env.to_owned(),
             admin_token_env: None,
+            unscoped_token_env: None,
             ca_file: None,
             peer_url: None,
             base_dir: None,

@@ -24,6 +24,14 @@ use crate::scenario::{
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream_signalling};
 use crate::target::describe_reqwest;
 
+/// What a stream's action did while it was open.
+enum Acted {
+    /// The database was stopped: when, and how long it took.
+    Stopped(Result<(u64, u64), String>),
+    /// The request went out (recorded and judged once the stream is read).
+    Sent(Box<crate::engine::context::Sent>),
+}
+
 /// `(event type, id)` per event, as an interop probe saw them.
 type Seen = Vec<(String, Option<String>)>;
 
@@ -88,6 +96,11 @@ pub struct Sse {
     /// what an open stream does during an outage (needs `database_control`).
     #[serde(default)]
     pub stop_database_after: Option<u32>,
+    /// Send this request once this many events arrived, and go on reading: what an open
+    /// stream does when the object behind it changes or goes (a session deleted under its
+    /// event stream).
+    #[serde(default)]
+    pub request_after: Option<RequestAfter>,
     /// Capture the id of the last event received.
     #[serde(default)]
     pub capture_last_id: Option<Located<String>>,
@@ -138,6 +151,15 @@ pub enum Until {
     Events(u32),
     /// An event of this type was received.
     Event(String),
+}
+
+/// A request sent while the stream is open, after its first `events` events; judged by its
+/// own `expect`, recorded in the transcript between the stream's frames.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestAfter {
+    pub events: u32,
+    pub request: Box<super::request::Request>,
 }
 
 /// Checks on one received event.
@@ -208,6 +230,21 @@ impl StepKind for Sse {
         }
         if let Some(name) = &self.capture_last_id {
             c.define_capture(&name.value, Pos::of(name), scope);
+        }
+        if let Some(after) = &self.request_after {
+            after.request.check_as(c, scope, ctx, false);
+            if !after.request.capture.is_empty() {
+                c.err(
+                    after.request.path.pos,
+                    "`request_after` takes no `capture`: it goes out while the stream is read",
+                );
+            }
+            if self.stop_database_after.is_some() {
+                c.err(
+                    after.request.path.pos,
+                    "a stream takes one action while it is open: `stop_database_after` or `request_after`",
+                );
+            }
         }
     }
 
@@ -402,7 +439,7 @@ impl Ctx<'_> {
         // The interop probe reads the same stream at the same time, so it costs no time.
         // A stream the database is stopped under is read once: a second one would see the
         // outage at another point.
-        let probe = if s.stop_database_after.is_some() {
+        let probe = if s.stop_database_after.is_some() || s.request_after.is_some() {
             None
         } else {
             Some(self.interop_probe(s, &prepared, last_event_id.clone(), stop.clone(), deadline))
@@ -414,7 +451,15 @@ impl Ctx<'_> {
             }
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let signal = s.stop_database_after.map(|n| (n as usize, tx));
+        let signal = s
+            .stop_database_after
+            .or(s.request_after.as_ref().map(|a| a.events))
+            .map(|n| (n as usize, tx));
+        let action = s
+            .request_after
+            .as_ref()
+            .map(|a| self.prepare(&a.request).map(|p| (p, a.request.label())))
+            .transpose()?;
         let strict = read_stream_signalling(
             response,
             sent,
@@ -423,11 +468,16 @@ impl Ctx<'_> {
             deadline,
             signal,
         );
-        // The outage: once the stream has delivered its events, the database stops while it
-        // is open (a stream that never gets there injects nothing).
+        // The action: once the stream has delivered its events, the database stops, or the
+        // request goes out, while it is open (a stream that never gets there does neither).
+        let client = self.target.client.clone();
         let outage = async {
             if rx.await.is_err() {
                 return None;
+            }
+            if let Some((p, request_label)) = &action {
+                let sent = self.send_detached(&client, p, request_label).await;
+                return Some(Acted::Sent(Box::new(sent)));
             }
             let at = self.at();
             let began = Instant::now();
@@ -435,9 +485,35 @@ impl Ctx<'_> {
                 Some(control) => control.stop_database().await,
                 None => Err("the runner holds no database of this target".to_owned()),
             };
-            Some(done.map(|()| (at, ms(began.elapsed()))))
+            Some(Acted::Stopped(done.map(|()| (at, ms(began.elapsed())))))
         };
         let (record, probed, stopped) = tokio::join!(strict, probe, outage);
+        let stopped = match stopped {
+            Some(Acted::Sent(sent)) => {
+                let (p, request_label) = action.as_ref().expect("a request was sent");
+                let after = s.request_after.as_ref().expect("a request was sent");
+                let judged = self
+                    .record(p, *sent)
+                    .and_then(|obs| self.judge(&after.request, &obs));
+                match judged {
+                    Ok(()) => {}
+                    Err(StepError::Fail(reason)) => {
+                        failures.push(format!("{request_label}: {reason}"));
+                    }
+                    Err(other) => return Err(other),
+                }
+                None
+            }
+            Some(Acted::Stopped(done)) => Some(done),
+            None if s.request_after.is_some() => {
+                failures.push(format!(
+                    "the stream ended before the {} events after which the request goes",
+                    s.request_after.as_ref().map_or(0, |a| a.events)
+                ));
+                None
+            }
+            None => None,
+        };
         match stopped {
             Some(Ok((at_ms, took_ms))) => {
                 self.note(format!(

@@ -2,9 +2,10 @@
 //!
 //! A launched service gets what a deployment would give it: a policy file naming two
 //! principals whose tokens are fresh for the run and reach it only through environment
-//! variables (the policy's `token_env`, never the command line), a free loopback port and a
-//! base directory of its own. The runner waits for `GET /health`, and stops the service's
-//! whole process group at the end, so that nothing it started outlives the run.
+//! variables (the policy's `token_env`, never the command line), and a third that holds no
+//! right any operation needs; a free loopback port and a base directory of its own. The
+//! runner waits for `GET /health`, and stops the service's whole process group at the end,
+//! so that nothing it started outlives the run.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -25,6 +26,12 @@ pub const POLICY_ENV: &str = "SANDSPEC_POLICY";
 pub const BASE_DIR_ENV: &str = "SANDSPEC_BASE_DIR";
 pub const OWNER_TOKEN_ENV: &str = "SANDSPEC_OWNER_TOKEN";
 pub const OTHER_TOKEN_ENV: &str = "SANDSPEC_OTHER_TOKEN";
+/// The token of `carol`, an identity whose one scope names no operation of the service.
+pub const UNSCOPED_TOKEN_ENV: &str = "SANDSPEC_UNSCOPED_TOKEN";
+/// `carol`'s one scope: a scope no endpoint of the service requires, so that her token is
+/// valid and grants nothing (an identity needs at least one scope to be a useful probe of
+/// the scope check rather than of an empty list).
+pub const UNSCOPED_SCOPE: &str = "sandspec:none";
 /// A directory for the service's own state, empty at the start of the run and kept across
 /// restarts (the package keeps agent sessions in `ABX_AGENTS_STATE_DIR`).
 pub const STATE_DIR_ENV: &str = "SANDSPEC_STATE_DIR";
@@ -34,16 +41,19 @@ pub(super) fn bearer(token: &str) -> (&'static str, String) {
     ("Authorization", format!("Bearer {token}"))
 }
 
-/// The policy file of a launched service: two principals with every scope, their tokens
-/// in the named environment variables, and the opt-in Agents API switched on.
+/// The policy file of a launched service: two principals with every scope and a third with
+/// none an operation needs, their tokens in the named environment variables, and every
+/// opt-in group switched on (the Agents API, the developer tools and the browser), so that a
+/// run can reach every operation of the service.
 pub fn policy_json() -> String {
     serde_json::json!({
         "version": 1,
-        "description": "sandspec run: two principals with fresh tokens",
-        "groups": ["agents"],
+        "description": "sandspec run: two principals with fresh tokens, and one without rights",
+        "groups": ["agents", "dev_tools", "browser"],
         "auth": {"tokens": [
             {"id": "alice", "scopes": ["*"], "token_env": OWNER_TOKEN_ENV},
             {"id": "bob", "scopes": ["*"], "token_env": OTHER_TOKEN_ENV},
+            {"id": "carol", "scopes": [UNSCOPED_SCOPE], "token_env": UNSCOPED_TOKEN_ENV},
         ]},
     })
     .to_string()
@@ -85,6 +95,7 @@ impl LaunchedService {
             owner: random_token(),
             other: random_token(),
             admin: None,
+            unscoped: Some(random_token()),
         };
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let child = spawn(command, dir.path(), port, &tokens, &log)?;
@@ -231,6 +242,10 @@ fn spawn(
         .env(STATE_DIR_ENV, dir.join("state"))
         .env(OWNER_TOKEN_ENV, &tokens.owner)
         .env(OTHER_TOKEN_ENV, &tokens.other)
+        .env(
+            UNSCOPED_TOKEN_ENV,
+            tokens.unscoped.as_deref().unwrap_or_default(),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -342,9 +357,11 @@ mod tests {
     fn the_policy_names_two_principals_by_environment_variable() {
         let policy: serde_json::Value = serde_json::from_str(&policy_json()).unwrap();
         let tokens = policy["auth"]["tokens"].as_array().unwrap();
-        assert_eq!(tokens.len(), 2);
+        assert_eq!(tokens.len(), 3);
         assert_eq!(tokens[0]["token_env"], OWNER_TOKEN_ENV);
         assert_eq!(tokens[1]["token_env"], OTHER_TOKEN_ENV);
+        assert_eq!(tokens[2]["token_env"], UNSCOPED_TOKEN_ENV);
+        assert_eq!(tokens[2]["scopes"], serde_json::json!([UNSCOPED_SCOPE]));
         assert!(!policy_json().contains("sst_"));
     }
 }

@@ -9,5 +9,5 @@ mod launch;
 pub use binding::{AgentSandbox, CATALOG_FOLDER, DEFECTS};
 pub use launch::{
     BASE_DIR_ENV, DEFECT_ENV, LaunchedService, OTHER_TOKEN_ENV, OWNER_TOKEN_ENV, POLICY_ENV,
-    PORT_ENV, STATE_DIR_ENV, policy_json,
+    PORT_ENV, STATE_DIR_ENV, UNSCOPED_SCOPE, UNSCOPED_TOKEN_ENV, policy_json,
 };
