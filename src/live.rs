@@ -473,9 +473,12 @@ mod tests {
                         list.is_empty() || list.iter().any(|st| (200..300).contains(st))
                     }
                 };
-                // A create with no body at all checks the defaults and cannot carry the tag;
-                // its scenario's leak check still covers it.
-                let bodiless = r.json.is_none() && r.body_text.is_none() && r.body_base64.is_none();
+                // A create with no body at all checks the defaults and cannot carry the tag,
+                // nor can one whose body is not an object (a bad-input check); its scenario's
+                // leak check and cleanup still cover it.
+                let bodiless = r.json.as_ref().is_none_or(|j| !j.value.is_object())
+                    && r.body_text.is_none()
+                    && r.body_base64.is_none();
                 if r.method != Method::Post || !wants_success || bodiless {
                     continue;
                 }

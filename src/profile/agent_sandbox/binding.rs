@@ -37,6 +37,27 @@ pub const DEFECTS: &[&str] = &[
     "asb-idempotency-ignored",
     "asb-cancel-ignored",
     "asb-no-heartbeat",
+    "asb-move-copies",
+    "asb-stdin-dropped",
+    "asb-resize-ignored",
+    "asb-check-permissive",
+    "asb-code-output-lost",
+    "asb-session-update-ignored",
+    "asb-env-file-overwritten",
+    "asb-definition-delete-keeps",
+    "asb-credential-secret-shown",
+    "asb-response-cancel-ignored",
+    "asb-webhook-secret-shown",
+    "asb-scopes-ignored-system",
+    "asb-scopes-ignored-files",
+    "asb-scopes-ignored-process",
+    "asb-scopes-ignored-devtools",
+    "asb-scopes-ignored-agents",
+    "asb-delete-before-refusing",
+    "asb-turns-forgotten-on-restart",
+    "asb-items-forgotten-on-restart",
+    "asb-terminal-shell-survives",
+    "asb-stream-outlives-session",
 ];
 
 /// The list the end-of-run sweep walks. Processes and files carry no metadata; scenarios
@@ -71,6 +92,12 @@ impl Profile for AgentSandbox {
 
     fn credential(&self, token: &str) -> (&'static str, String) {
         bearer(token)
+    }
+
+    /// Every endpoint of the package, as the operation table of the profile's document lists
+    /// them (`tests/agent_sandbox.rs` holds the table to the installed package's own).
+    fn operations(&self) -> Vec<crate::profile::Operation> {
+        crate::profile::from_tables(CLAUSES.text)
     }
 
     fn served_by_reference(&self) -> bool {
