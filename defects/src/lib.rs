@@ -215,6 +215,10 @@ pub enum Defect {
     E2bFastExitLosesEnd,
     /// envd `POST /files` refuses `multipart/form-data` (415), taking only octet-stream bodies.
     E2bMultipartUploadRefused,
+    /// envd `Start` ignores `Connect-Timeout-Ms`: the stream and its process run on past it.
+    E2bRequestTimeoutIgnored,
+    /// envd `Start` ends its stream at `Connect-Timeout-Ms` but leaves the process running.
+    E2bTimeoutLeavesProcess,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -332,6 +336,8 @@ impl Defect {
         Defect::E2bPtyResizeIgnored,
         Defect::E2bFastExitLosesEnd,
         Defect::E2bMultipartUploadRefused,
+        Defect::E2bRequestTimeoutIgnored,
+        Defect::E2bTimeoutLeavesProcess,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -438,6 +444,8 @@ impl Defect {
             Defect::E2bPtyResizeIgnored => "e2b-pty-resize-ignored",
             Defect::E2bFastExitLosesEnd => "e2b-fast-exit-loses-end",
             Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
+            Defect::E2bRequestTimeoutIgnored => "e2b-request-timeout-ignored",
+            Defect::E2bTimeoutLeavesProcess => "e2b-timeout-leaves-process",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -585,6 +593,10 @@ impl Defect {
             Defect::E2bPtyResizeIgnored => "E2B: Update leaves a terminal at its old size",
             Defect::E2bFastExitLosesEnd => "E2B: a command that fails at once gets no end event",
             Defect::E2bMultipartUploadRefused => "E2B: multipart uploads are refused",
+            Defect::E2bRequestTimeoutIgnored => "E2B: a command's timeout is ignored",
+            Defect::E2bTimeoutLeavesProcess => {
+                "E2B: a command past its timeout loses its stream but keeps running"
+            }
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

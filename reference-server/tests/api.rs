@@ -1685,7 +1685,7 @@ mod defects {
             .start(
                 ALICE,
                 &id,
-                &["sh", "-c", "echo a; sleep 0.1; echo b; sleep 0.1; echo c"],
+                &["sh", "-c", "echo a; sleep 0.3; echo b; sleep 0.3; echo c"],
             )
             .await;
         let pid = p["id"].as_str().unwrap();
@@ -1700,10 +1700,13 @@ mod defects {
         .await;
         let events = sse.events_until_end(Duration::from_secs(5)).await;
         let ids: Vec<&str> = events.iter().filter_map(|e| e.field("id")).collect();
+        // Output written apart normally makes events 1 to 3 and the exit 4; on a loaded
+        // machine two writes can come as one event. Either way the resume must start at 2,
+        // and the defect starts it at 3.
         assert_eq!(
-            ids,
-            ["3", "4"],
-            "the defect skips the event after the cursor"
+            ids.first(),
+            Some(&"3"),
+            "the defect skips the event after the cursor: {ids:?}"
         );
     }
 

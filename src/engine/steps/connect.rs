@@ -45,6 +45,10 @@ pub struct Connect {
     /// The sandbox's envd access token (`X-Access-Token`), for a secure sandbox.
     #[serde(default)]
     pub access_token: Option<Template>,
+    /// More request headers, as an SDK sends them (`Connect-Timeout-Ms` for a command's
+    /// timeout, `Keepalive-Ping-Interval`). The protocol's own headers are the step's.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
     /// How long the whole call (a stream: to its end) may take; the request timeout when
     /// absent.
     #[serde(default)]
@@ -81,6 +85,24 @@ impl StepKind for Connect {
         }
         if let Some(n) = &self.within_s {
             c.num(n, scope, ctx);
+        }
+        for (name, value) in &self.headers {
+            c.template(value, scope, ctx);
+            let own = [
+                "content-type",
+                "connect-protocol-version",
+                "x-access-token",
+                "e2b-sandbox-id",
+                "e2b-sandbox-port",
+            ];
+            if own.contains(&name.to_ascii_lowercase().as_str()) {
+                c.err(
+                    value.pos,
+                    format!("`{name}` is the step's own header: give it with the step's fields"),
+                );
+            } else if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                c.err(value.pos, format!("`{name}` is not a header name"));
+            }
         }
         let rpc_re = Regex::new(
             r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.[A-Z][A-Za-z0-9]*/[A-Z][A-Za-z0-9]*$",
@@ -173,6 +195,9 @@ impl Ctx<'_> {
         );
         if let Some(t) = &c.access_token {
             headers.push(("X-Access-Token".to_owned(), self.vars.render(t)?));
+        }
+        for (name, value) in &c.headers {
+            headers.push((name.clone(), self.vars.render(value)?));
         }
         let limit = match &c.within_s {
             Some(n) => Duration::from_secs(u64::try_from(self.vars.num(n)?).unwrap_or(0)),
