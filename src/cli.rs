@@ -117,6 +117,17 @@ pub struct RunArgs {
     /// or be empty).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// With `--api e2b`: run the profile's SDK journeys with this real SDK, installed at this
+    /// exact version (`python:e2b==2.63.0`, `node:e2b@2.51.0`; repeatable; `default` stands for
+    /// the newest Python and JavaScript releases and one older major). The newest release of
+    /// each language judges the target; older ones are reported in the matrix. A sharded run
+    /// runs the matrix in its first shard.
+    #[arg(long, value_name = "SPEC")]
+    pub sdk: Vec<String>,
+    /// Where `--sdk` installs SDKs (virtualenvs, npm prefixes), reused by later runs
+    /// [default: $XDG_CACHE_HOME/sandspec/sdk or ~/.cache/sandspec/sdk].
+    #[arg(long, value_name = "DIR")]
+    pub sdk_cache: Option<PathBuf>,
     /// A label recorded in the receipt's selection, the same for every shard of one run
     /// (e.g. the CI pipeline's ID): what `sandspec evidence merge` ties the shards by.
     #[arg(long, value_name = "TEXT")]

@@ -395,6 +395,8 @@ pub struct RunReport {
     /// that the evidence says they did not run. Never counted as passed or skipped.
     #[serde(default)]
     pub not_applicable: Vec<NotApplicable>,
+    /// The SDK version matrix (`--sdk`), when the run had one.
+    pub sdk_matrix: Option<crate::sdk::SdkMatrix>,
 }
 
 /// A selected scenario that was not run because it cannot apply to the target.
@@ -882,6 +884,7 @@ mod tests {
             scenarios,
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
+            sdk_matrix: None,
         };
         let xml = junit_xml(&rep, &BTreeMap::new());
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");

@@ -339,6 +339,7 @@ fn report(canary: &str) -> RunReport {
         scenarios,
         run_sweep: Default::default(),
         not_applicable: Vec::new(),
+        sdk_matrix: None,
     }
 }
 
@@ -1760,6 +1761,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         scenarios: reports,
         run_sweep: Default::default(),
         not_applicable: Vec::new(),
+        sdk_matrix: None,
     };
     let tokens = &target.tokens;
     let mut sanitizer = for_tokens(tokens).unwrap();

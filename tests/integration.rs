@@ -19,6 +19,7 @@ mod live;
 mod mcp;
 mod multiprocess;
 mod report;
+mod sdk_matrix;
 mod tls;
 
 /// A file of `tests/` that is neither a module of its package's integration binary nor a

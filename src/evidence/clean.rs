@@ -8,6 +8,7 @@ use super::sanitize::{REDACTED, Sanitizer};
 use crate::engine::{Body, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
 use crate::gate::{Baseline, Expected, Gate};
 use crate::report::{FamilyVerdict, RunReport, ScenarioReport, TargetInfo};
+use crate::sdk::{Cell, SdkMatrix};
 
 /// A copy of `report` with every string sanitized, for anything else that writes a report
 /// (a `report.json`, logs). Binary bodies holding a secret are dropped, as in a run folder.
@@ -92,6 +93,18 @@ impl<'a> Cleaner<'a> {
                     reason: self.s(&n.reason),
                 })
                 .collect(),
+            sdk_matrix: r.sdk_matrix.as_ref().map(|m| SdkMatrix {
+                sdks: m.sdks.clone(),
+                journeys: m.journeys.clone(),
+                cells: m
+                    .cells
+                    .iter()
+                    .map(|c| Cell {
+                        detail: c.detail.as_deref().map(|t| self.s(t)),
+                        ..c.clone()
+                    })
+                    .collect(),
+            }),
         }
     }
 

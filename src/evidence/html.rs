@@ -159,6 +159,7 @@ pub(crate) fn render(
             .iter()
             .map(|a| (a.scenario.clone(), a.path.clone(), a.step.clone()))
             .collect(),
+        sdk: r.sdk_matrix.as_ref().map(sdk_table),
     };
     Ok(page.render()?)
 }
@@ -223,6 +224,61 @@ struct Page<'a> {
     measurements: Vec<(String, String, String)>,
     swept: Vec<(String, String)>,
     absent: Vec<(String, String, String)>,
+    sdk: Option<SdkTable>,
+}
+
+/// The SDK matrix: one column per SDK, one row per journey.
+struct SdkTable {
+    columns: Vec<String>,
+    rows: Vec<SdkRow>,
+}
+
+struct SdkRow {
+    journey: String,
+    title: String,
+    /// (outcome class, label, detail) per SDK, in column order.
+    cells: Vec<(&'static str, &'static str, String)>,
+}
+
+fn sdk_table(m: &crate::sdk::SdkMatrix) -> SdkTable {
+    use crate::sdk::CellOutcome;
+    SdkTable {
+        columns: m
+            .sdks
+            .iter()
+            .map(|c| {
+                if c.judged {
+                    format!("{} (judges)", c.sdk)
+                } else {
+                    c.sdk.clone()
+                }
+            })
+            .collect(),
+        rows: m
+            .journeys
+            .iter()
+            .map(|row| SdkRow {
+                journey: row.journey.clone(),
+                title: row.title.clone(),
+                cells: m
+                    .sdks
+                    .iter()
+                    .map(|col| match m.cell(&row.journey, &col.sdk) {
+                        None => ("skip", "NOT RUN", String::new()),
+                        Some(c) => {
+                            let (class, label) = match c.outcome {
+                                CellOutcome::Pass => ("pass", "PASS"),
+                                CellOutcome::Skip => ("skip", "SKIP"),
+                                CellOutcome::Fail => ("fail", "FAIL"),
+                                CellOutcome::Error => ("error", "ERROR"),
+                            };
+                            (class, label, c.detail.clone().unwrap_or_default())
+                        }
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
 }
 
 const LEGEND: &[(&str, &str)] = &[

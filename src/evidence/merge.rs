@@ -360,6 +360,7 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
         cleanup,
         environment: first.environment.clone(),
         sanitizer,
+        sdk_matrix: parts.iter().find_map(|r| r.sdk_matrix.clone()),
         merged_from,
         gate,
         documents: Vec::new(),
@@ -480,6 +481,7 @@ fn junit_report(r: &Receipt) -> RunReport {
             .collect(),
         run_sweep: crate::live::RunSweep::default(),
         not_applicable: r.selection.not_applicable.clone(),
+        sdk_matrix: r.sdk_matrix.clone(),
     }
 }
 

@@ -17,6 +17,7 @@ use super::placeholders::Placeholders;
 use crate::engine::{Entry, Frame, Outcome};
 use crate::gate::Gate;
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict};
+use crate::sdk::SdkMatrix;
 
 /// `_type` of an in-toto Statement v1.
 pub const STATEMENT_TYPE: &str = "https://in-toto.io/Statement/v1";
@@ -142,6 +143,10 @@ pub struct Receipt {
     pub cleanup: Cleanup,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
+    /// The SDK version matrix (`--sdk`): every journey with every SDK, the judged ones also
+    /// among `scenarios`. Absent without `--sdk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sdk_matrix: Option<SdkMatrix>,
     /// The shards this folder was merged from (`sandspec evidence merge`), in shard order;
     /// empty for a folder a run wrote.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -679,6 +684,7 @@ impl Statement {
                 cleanup,
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
+                sdk_matrix: report.sdk_matrix.clone(),
                 merged_from: Vec::new(),
                 gate: input.gate.clone(),
                 documents: Vec::new(),

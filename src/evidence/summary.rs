@@ -263,6 +263,10 @@ pub(crate) fn render(statement: &Statement) -> String {
         );
     }
 
+    if let Some(m) = &r.sdk_matrix {
+        sdk_matrix(&mut md, m);
+    }
+
     coverage(&mut md, statement);
 
     md.push_str("\n## Timings\n\n");
@@ -351,6 +355,52 @@ pub(crate) fn render(statement: &Statement) -> String {
 
 /// The clause coverage table: every MUST clause with the scenarios citing it and their
 /// outcomes, then the clauses nothing in the run judged.
+/// The SDK matrix: a row per journey, a column per SDK, and what each cell that did not pass
+/// said.
+fn sdk_matrix(md: &mut String, m: &crate::sdk::SdkMatrix) {
+    use crate::sdk::CellOutcome;
+    let _ = writeln!(
+        md,
+        "\n## SDK matrix\n\nEach journey drives the target through a real SDK at a pinned version; the newest release of each language judges the target (its journeys are the `E2B-SDK-…` scenarios above).\n"
+    );
+    md.push_str("| journey |");
+    for c in &m.sdks {
+        let judged = if c.judged { " (judges)" } else { "" };
+        let _ = write!(md, " `{}`{judged} |", cell(&c.sdk));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---|".repeat(m.sdks.len()));
+    md.push('\n');
+    let mut notes = Vec::new();
+    for row in &m.journeys {
+        let _ = write!(md, "| `{}` {} |", row.journey, cell(&row.title));
+        for col in &m.sdks {
+            let shown = match m.cell(&row.journey, &col.sdk) {
+                None => "not run",
+                Some(c) => {
+                    if let Some(d) = &c.detail {
+                        notes.push(format!("`{}` with `{}`: {}", row.journey, col.sdk, d));
+                    }
+                    match c.outcome {
+                        CellOutcome::Pass => "PASS",
+                        CellOutcome::Skip => "SKIP",
+                        CellOutcome::Fail => "FAIL",
+                        CellOutcome::Error => "ERROR",
+                    }
+                }
+            };
+            let _ = write!(md, " {shown} |");
+        }
+        md.push('\n');
+    }
+    if !notes.is_empty() {
+        md.push('\n');
+        for n in notes {
+            let _ = writeln!(md, "- {}", cell(&n));
+        }
+    }
+}
+
 fn coverage(md: &mut String, statement: &Statement) {
     let r = &statement.predicate;
     let c = &r.coverage;

@@ -419,6 +419,7 @@ mod tests {
             scenarios,
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
+            sdk_matrix: None,
         }
     }
 

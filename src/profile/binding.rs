@@ -14,6 +14,7 @@ use super::api::Api;
 use super::clauses::ClauseTable;
 use crate::live::{RunSweep, Swept};
 use crate::mcp::McpServer;
+use crate::sdk::{Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Capabilities, Conn, Service, TargetError, Tokens};
 
 /// A protocol profile (`--api`).
@@ -95,6 +96,24 @@ pub trait Profile: Send + Sync {
         older_than: Duration,
         dry_run: bool,
     ) -> BoxFuture<'a, Result<Vec<Swept>, String>>;
+
+    /// The profile's SDK journeys (`--sdk`), where its protocol has client SDKs to judge a
+    /// target by.
+    fn sdk_journeys(&self) -> Option<&'static Journeys> {
+        None
+    }
+
+    /// Runs the SDK matrix of `specs` against `target` (reached with `client`), the SDKs
+    /// installed into `cache`; an empty matrix where the profile has no SDK journeys.
+    fn sdk_matrix<'a>(
+        &'a self,
+        _target: SdkTarget<'a>,
+        _client: reqwest::Client,
+        _specs: &'a [SdkSpec],
+        _cache: &'a std::path::Path,
+    ) -> BoxFuture<'a, SdkMatrix> {
+        Box::pin(async { SdkMatrix::default() })
+    }
 
     /// The MUST clauses `sandspec list` measures its selection's coverage against, with the
     /// document they are in; `None` where the profile's document has no such count.

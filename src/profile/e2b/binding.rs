@@ -9,17 +9,18 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-use super::api::Api;
-use super::binding::{Clauses, CreatedKind, Creation, Profile};
-use super::clauses::{ClauseTable, RowLevels};
 use crate::live::{RUN_TAG, RunSweep, Swept, SweptList, sweep_older_over, sweep_run_over, why};
+use crate::profile::api::Api;
+use crate::profile::binding::{Clauses, CreatedKind, Creation, Profile};
+use crate::profile::clauses::{ClauseTable, RowLevels};
+use crate::sdk::{Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Conn, Tokens};
 
 /// The clause document: every clause is a guarantee of E2B's own contract, a MUST.
 pub const CLAUSES: ClauseTable = ClauseTable {
     prefix: "E2B-",
     path: "docs/profiles/e2b.md",
-    text: include_str!("../../docs/profiles/e2b.md"),
+    text: include_str!("../../../docs/profiles/e2b.md"),
     levels: RowLevels::AllMust,
 };
 
@@ -101,16 +102,30 @@ impl Profile for E2b {
     ) -> BoxFuture<'a, Result<Vec<Swept>, String>> {
         sweep_older_than(conn, token, older_than, dry_run)
     }
+
+    fn sdk_journeys(&self) -> Option<&'static Journeys> {
+        Some(&super::journeys::JOURNEYS)
+    }
+
+    fn sdk_matrix<'a>(
+        &'a self,
+        target: SdkTarget<'a>,
+        client: reqwest::Client,
+        specs: &'a [SdkSpec],
+        cache: &'a std::path::Path,
+    ) -> BoxFuture<'a, SdkMatrix> {
+        super::journeys::run(target, client, specs, cache)
+    }
 }
 
 /// A team's API key, as the SDK sends it.
-pub(super) fn api_key(token: &str) -> (&'static str, String) {
+pub(crate) fn api_key(token: &str) -> (&'static str, String) {
     ("X-API-Key", token.to_owned())
 }
 
 /// E2B's creates name the sandbox `sandboxID`; it is gone when `GET /sandboxes/{id}` answers
 /// 404. Resume and connect answer 201 for a sandbox that exists already: not creations.
-pub(super) fn created(method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
+pub(crate) fn created(method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
     if method != "POST" || status != 201 || !matches!(path, "/sandboxes" | "/v2/sandboxes") {
         return Vec::new();
     }
@@ -126,7 +141,7 @@ pub(super) fn created(method: &str, path: &str, status: u16, body: &Value) -> Ve
 /// The end-of-run sweep of an E2B control plane: for every principal, the running and paused
 /// sandboxes `GET /v2/sandboxes` lists with the run's `sandspec_run` metadata; only a
 /// record's own metadata decides, and each one found is killed and confirmed gone.
-pub(super) fn sweep_run<'a>(
+pub(crate) fn sweep_run<'a>(
     conn: &'a Conn<'a>,
     tokens: &'a Tokens,
     run_id: &'a str,
@@ -144,7 +159,7 @@ pub(super) fn sweep_run<'a>(
 /// `sandspec sweep --api e2b`: every sandbox `GET /v2/sandboxes` lists for the team, running
 /// or paused, whose own `metadata` carries a `sandspec_run` tag and whose `startedAt` is
 /// before the cutoff, is killed (`DELETE /sandboxes/{id}`) and confirmed gone by a 404.
-pub(super) fn sweep_older_than<'a>(
+pub(crate) fn sweep_older_than<'a>(
     conn: &'a Conn<'a>,
     token: &'a str,
     older_than: Duration,
