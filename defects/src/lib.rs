@@ -219,6 +219,12 @@ pub enum Defect {
     E2bRequestTimeoutIgnored,
     /// envd `Start` ends its stream at `Connect-Timeout-Ms` but leaves the process running.
     E2bTimeoutLeavesProcess,
+    /// E2B `DELETE /sandboxes/{id}` answers 204 but leaves the sandbox running.
+    E2bKillKeepsSandbox,
+    /// envd process streams ignore `Keepalive-Ping-Interval`: a quiet stream carries nothing.
+    E2bKeepaliveIgnored,
+    /// envd `StreamInput` writes the first `data` message's input and drops the rest.
+    E2bStreamInputDropsData,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -338,6 +344,9 @@ impl Defect {
         Defect::E2bMultipartUploadRefused,
         Defect::E2bRequestTimeoutIgnored,
         Defect::E2bTimeoutLeavesProcess,
+        Defect::E2bKillKeepsSandbox,
+        Defect::E2bKeepaliveIgnored,
+        Defect::E2bStreamInputDropsData,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -446,6 +455,9 @@ impl Defect {
             Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
             Defect::E2bRequestTimeoutIgnored => "e2b-request-timeout-ignored",
             Defect::E2bTimeoutLeavesProcess => "e2b-timeout-leaves-process",
+            Defect::E2bKillKeepsSandbox => "e2b-kill-keeps-sandbox",
+            Defect::E2bKeepaliveIgnored => "e2b-keepalive-ignored",
+            Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -596,6 +608,11 @@ impl Defect {
             Defect::E2bRequestTimeoutIgnored => "E2B: a command's timeout is ignored",
             Defect::E2bTimeoutLeavesProcess => {
                 "E2B: a command past its timeout loses its stream but keeps running"
+            }
+            Defect::E2bKillKeepsSandbox => "E2B: a kill answers 204 but the sandbox runs on",
+            Defect::E2bKeepaliveIgnored => "E2B: process streams send no keepalive",
+            Defect::E2bStreamInputDropsData => {
+                "E2B: StreamInput keeps the first data message and drops the rest"
             }
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
