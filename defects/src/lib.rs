@@ -225,6 +225,8 @@ pub enum Defect {
     E2bKeepaliveIgnored,
     /// envd `StreamInput` writes the first `data` message's input and drops the rest.
     E2bStreamInputDropsData,
+    /// E2B's proxy serves only envd's port: every other sandbox port is 502.
+    E2bPortProxyMissing,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -347,6 +349,7 @@ impl Defect {
         Defect::E2bKillKeepsSandbox,
         Defect::E2bKeepaliveIgnored,
         Defect::E2bStreamInputDropsData,
+        Defect::E2bPortProxyMissing,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -458,6 +461,7 @@ impl Defect {
             Defect::E2bKillKeepsSandbox => "e2b-kill-keeps-sandbox",
             Defect::E2bKeepaliveIgnored => "e2b-keepalive-ignored",
             Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
+            Defect::E2bPortProxyMissing => "e2b-port-proxy-missing",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -614,6 +618,7 @@ impl Defect {
             Defect::E2bStreamInputDropsData => {
                 "E2B: StreamInput keeps the first data message and drops the rest"
             }
+            Defect::E2bPortProxyMissing => "E2B: only envd's port is reachable",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

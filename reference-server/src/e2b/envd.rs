@@ -318,6 +318,14 @@ pub async fn port_proxy(
     let Some((id, port)) = target else {
         return next.run(request).await;
     };
+    if state.config.defects.has(Defect::E2bPortProxyMissing) {
+        return EnvdError {
+            status: StatusCode::BAD_GATEWAY,
+            message: "The sandbox is running but port is not open".into(),
+            sandbox_id: Some(id),
+        }
+        .into_response();
+    }
     match forward_to_port(&state, &id, port, request).await {
         Ok(response) => response,
         Err(e) => e.into_response(),

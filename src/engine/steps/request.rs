@@ -11,7 +11,7 @@ use crate::engine::context::{
     CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
-use crate::profile::e2b::envd_route;
+use crate::profile::e2b::{ENVD_PORT, port_route};
 use crate::scenario::{
     Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
     first_line, present,
@@ -33,6 +33,10 @@ pub struct Request {
     /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
     #[serde(default)]
     pub envd: Option<Template>,
+    /// With `envd`: another port of that sandbox, reached as the SDK's `get_host` names it
+    /// (the routing headers with that port, or `<port>-<sandbox>.<domain>`).
+    #[serde(default)]
+    pub port: Option<Located<u16>>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -104,6 +108,14 @@ impl Request {
                     "`envd` names the sandbox's envd: it cannot go `via: peer`",
                 );
             }
+        }
+        if let Some(port) = &r.port
+            && r.envd.is_none()
+        {
+            c.err(
+                Pos::of(port),
+                "`port` is a port of the sandbox `envd` names: give `envd` too",
+            );
         }
         for t in r.headers.values().chain(r.query.values()) {
             c.template(t, scope, ctx);
@@ -292,7 +304,8 @@ impl Ctx<'_> {
         let mut envd_host = None;
         if let Some(sandbox) = &r.envd {
             let sandbox = self.vars.render(sandbox)?;
-            let (host, routing) = envd_route(&sandbox, self.target.envd_domain.as_deref());
+            let port = r.port.as_ref().map_or(ENVD_PORT, |p| p.value);
+            let (host, routing) = port_route(&sandbox, port, self.target.envd_domain.as_deref());
             envd_host = host;
             headers.extend(routing);
         }
