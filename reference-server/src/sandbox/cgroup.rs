@@ -295,6 +295,24 @@ impl Cgroups {
         enforced
     }
 
+    /// The cgroup behind each of [`Self::enforced`]: `cgroup_v1` or `cgroup_v2`.
+    pub(super) fn enforced_by(&self) -> std::collections::BTreeMap<&'static str, &'static str> {
+        let name = |ctl: &Ctl| match ctl.version {
+            Version::V1 => "cgroup_v1",
+            Version::V2 => "cgroup_v2",
+        };
+        let mut by = std::collections::BTreeMap::new();
+        if let Some([memory, cpu, pids]) = &self.limits {
+            by.insert("memory", name(memory));
+            by.insert("cpu", name(cpu));
+            by.insert("pids", name(pids));
+        }
+        if let Some(freezer) = &self.freezer {
+            by.insert("freezer", name(freezer));
+        }
+        by
+    }
+
     /// Creates the sandbox's cgroups and writes its limits. Returns `None` when this provider
     /// has no cgroups at all. On error, whatever was created is removed again.
     pub(super) fn create(

@@ -692,7 +692,7 @@ async fn cwd_and_env() {
     let id = f.try_start(&local, pwd, &sandbox_env).await.unwrap();
     let (events, _) = f.wait_exit(&id).await;
     let root = if f.provider.isolation_report().uid.is_some() {
-        PathBuf::from(super::isolation::WORKSPACE)
+        PathBuf::from(super::isolation::HOME)
     } else {
         std::fs::canonicalize(f.root(&local)).unwrap()
     };
@@ -1188,10 +1188,9 @@ async fn the_first_process_sees_the_parent_as_it_stays() {
         .collect();
     held.sort();
     if f.provider.isolation_report().uid.is_some() {
-        // In namespaces of its own the sandbox's `..` is its own root: the bookkeeping is
-        // not in view at all.
-        assert!(seen.contains(&"workspace".to_owned()), "seen: {seen:?}");
-        assert!(!seen.contains(&"procs".to_owned()), "seen: {seen:?}");
+        // In namespaces of its own the sandbox's `..` is its own `/home`: the bookkeeping
+        // is not in view at all.
+        assert_eq!(seen, ["user"]);
     } else {
         assert!(seen.contains(&"procs".to_owned()), "seen: {seen:?}");
         assert_eq!(seen, held);
