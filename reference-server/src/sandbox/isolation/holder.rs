@@ -505,7 +505,8 @@ fn build_root(plan: &Plan) -> Result<(), Failure> {
 
     mkdir(&new.join("proc"), 0o555)?;
     if plan.weakened.host_pids_visible {
-        bind_read_only(&old.join("proc"), &new.join("proc"), true)?;
+        // Writable, as a `/proc` is: PID 1 writes its user namespaces' maps through it.
+        bind(&old.join("proc"), &new.join("proc"), true)?;
     } else {
         mount(
             Some(Path::new("proc")),
