@@ -219,14 +219,32 @@ impl Namespacer {
             // A terminal's Ctrl-C for the server is not for the holder: it ends when the
             // server's end of the socket closes.
             .process_group(0);
-        let child = cmd.spawn()?;
+        let mut child = cmd.spawn()?;
         drop(cmd);
-        let mut holder = Holder {
-            child,
-            init: None,
-            view: None,
-        };
-        let plan = serde_json::to_vec(&plan).map_err(io::Error::other)?;
+        match self.hand_over(&plan, ours, &root_dir) {
+            Ok((init, view)) => Ok(Holder {
+                child,
+                init: Some(init),
+                view,
+            }),
+            Err(e) => {
+                // PID 1, if there is one, exits as `ours` closed.
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends a holder its plan over `ours` and takes the sandbox it made: PID 1's pidfd and
+    /// the view, checked to hold the sandbox's own files (`root_dir`).
+    fn hand_over(
+        &self,
+        plan: &holder::Plan,
+        ours: OwnedFd,
+        root_dir: &std::fs::File,
+    ) -> io::Result<(OwnedFd, SandboxView)> {
+        let plan = serde_json::to_vec(plan).map_err(io::Error::other)?;
         sys::send(ours.as_fd(), &plan, &[])?;
         if !sys::wait_readable(ours.as_fd(), HOLDER_WAIT)? {
             return Err(io::Error::other(
@@ -270,7 +288,7 @@ impl Namespacer {
         // The mount namespace last: until then the child still sees the host's `/proc`.
         let mnt = take("mnt")?;
         joins.push((mnt, libc::CLONE_NEWNS));
-        holder.init = Some(take("init")?);
+        let init = take("init")?;
         let view = SandboxView {
             inner: Arc::new(ViewInner {
                 privilege: self.privilege,
@@ -281,11 +299,10 @@ impl Namespacer {
                 as_root: take("as_root")?,
             }),
         };
-        holder.view = Some(view.clone());
         for inside in [HOME, WORKSPACE] {
-            check_same_dir(&root_dir, &view, inside)?;
+            check_same_dir(root_dir, &view, inside)?;
         }
-        Ok(holder)
+        Ok((init, view))
     }
 }
 
@@ -341,12 +358,12 @@ pub(super) struct Holder {
     /// A pidfd of PID 1: a kill through it can reach no other process, even once PID 1
     /// ended and its PID was given to something else.
     init: Option<OwnedFd>,
-    view: Option<SandboxView>,
+    view: SandboxView,
 }
 
 impl Holder {
     pub(super) fn view(&self) -> SandboxView {
-        self.view.clone().expect("a started holder has a view")
+        self.view.clone()
     }
 
     /// Kills PID 1 of the sandbox (the kernel then kills every other process in its PID

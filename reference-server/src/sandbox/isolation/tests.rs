@@ -458,10 +458,16 @@ fn the_server_closing_its_socket_ends_the_sandbox() {
         let view = holder.view();
         let init = init_pid(&holder);
         let mut sleeper = entered(&view, ["sleep", "1000"]).spawn().unwrap();
-        // What the server's death does: its descriptors close. The pidfd is not used.
+        // The holder's first process going does not end the sandbox.
         let pidfd = holder.init.take();
+        holder.child.kill().unwrap();
+        holder.child.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(runs(init), "PID 1 ended with its parent");
+        assert_eq!(sleeper.try_wait().unwrap(), None);
+        // What the server's death does: its descriptors close. The pidfd is not used.
         drop(view);
-        holder.view = None;
+        drop(holder);
         for _ in 0..500 {
             if !runs(init) {
                 break;
