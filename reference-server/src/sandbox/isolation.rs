@@ -36,17 +36,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// How the server makes its sandboxes' namespaces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(super) enum Privilege {
-    /// The server runs as root in the host's user namespace: the namespaces belong to the
-    /// host's user namespace and each sandbox has host uids of its own.
-    Root,
-    /// The server runs as an ordinary user (or as root inside a user namespace): a user
-    /// namespace mapping its uid to 0 owns the namespaces, and every sandbox runs as the
-    /// server's host uid.
-    Unprivileged,
-}
+pub(super) use holder::{Privilege, Weakened};
 
 /// The uid (and gid) of a sandbox's `user` inside its user namespace.
 pub(super) const INSIDE_UID: u32 = 1000;
@@ -96,17 +86,6 @@ impl SandboxUser {
             SandboxUser::Root => ROOT_HOME,
         }
     }
-}
-
-/// Which parts of the namespace setup a defect weakens (reference-server/src/defects.rs).
-#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
-pub(super) struct Weakened {
-    /// The host's whole filesystem is mounted read-only at `/host` inside the sandbox.
-    pub(super) host_visible: bool,
-    /// The host's `/tmp` is shared, writable, instead of a private one.
-    pub(super) host_tmp_shared: bool,
-    /// No PID namespace: the sandbox sees (and `/proc` lists) every process of the host.
-    pub(super) host_pids_visible: bool,
 }
 
 /// How this server makes namespaces, and what every holder mounts besides the system.

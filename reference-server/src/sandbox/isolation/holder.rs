@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Privilege, sys};
+use super::sys;
 
 /// Set in the environment of a process the server starts as a holder.
 pub(super) const ENV: &str = "SANDSPEC_SANDBOX_HOLDER";
@@ -76,6 +76,29 @@ extern "C" fn hook() {
     unsafe { libc::_exit(code) }
 }
 
+/// How the server makes its sandboxes' namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(in crate::sandbox) enum Privilege {
+    /// The server runs as root in the host's user namespace: the namespaces belong to the
+    /// host's user namespace and each sandbox has host uids of its own.
+    Root,
+    /// The server runs as an ordinary user (or as root inside a user namespace): a user
+    /// namespace mapping its uid to 0 owns the namespaces, and every sandbox runs as the
+    /// server's host uid.
+    Unprivileged,
+}
+
+/// Which parts of the namespace setup a defect weakens (reference-server/src/defects.rs).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub(in crate::sandbox) struct Weakened {
+    /// The host's whole filesystem is mounted read-only at `/host` inside the sandbox.
+    pub(in crate::sandbox) host_visible: bool,
+    /// The host's `/tmp` is shared, writable, instead of a private one.
+    pub(in crate::sandbox) host_tmp_shared: bool,
+    /// No PID namespace: the sandbox sees (and `/proc` lists) every process of the host.
+    pub(in crate::sandbox) host_pids_visible: bool,
+}
+
 /// What the server asks a holder to build.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct Plan {
@@ -88,7 +111,7 @@ pub(super) struct Plan {
     pub(super) workspace_id: [u64; 2],
     /// Host files bound read-only at their own (canonical) path.
     pub(super) exposed: Vec<PathBuf>,
-    pub(super) weakened: super::Weakened,
+    pub(super) weakened: Weakened,
 }
 
 /// A failed step, sent to the server as text.
