@@ -133,8 +133,14 @@ fn report(failure: &Failure) {
 /// for it. Returns the exit code.
 fn holder() -> Result<i32, Failure> {
     // Nothing of the server's but the socket is needed.
-    // SAFETY: close_range(2) on descriptors this process does not use.
-    unsafe { libc::close_range(3, u32::MAX, 0) };
+    // SAFETY: close_range(2) on descriptors this process does not use (by its system call
+    // number: glibc has a wrapper only since 2.34).
+    if unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) } != 0 {
+        for fd in 3..1024 {
+            // SAFETY: as above, one by one on kernels before 5.9.
+            unsafe { libc::close(fd) };
+        }
+    }
     // SAFETY: as in `report`.
     let control = unsafe { BorrowedFd::borrow_raw(CONTROL) };
     let (bytes, _) = sys::recv(control, MAX_PLAN).map_err(at("read the plan"))?;
