@@ -248,10 +248,21 @@ async fn main_job(
         // std drops root's supplementary groups before it changes the uid.
         cmd.uid(uid).gid(gid);
     }
-    let output = tokio::time::timeout(Duration::from_secs(600), cmd.output())
-        .await
-        .expect("the main job finished within 10 minutes")
-        .expect("run sandspec");
+    let output = tokio::time::timeout(Duration::from_secs(600), async {
+        loop {
+            match cmd.output().await {
+                // The copy was just written: a process another test forked meanwhile may
+                // still hold it open for writing until it execs (ETXTBSY).
+                Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => break other,
+            }
+        }
+    })
+    .await
+    .expect("the main job finished within 10 minutes")
+    .expect("run sandspec");
     let text = format!(
         "{}\n{}",
         String::from_utf8_lossy(&output.stdout),
