@@ -282,6 +282,38 @@ pub fn why(conn: &Conn<'_>, e: &reqwest::Error) -> String {
     }
 }
 
+/// `GET url` with `credential` for a sweep: the answer's headers and its body as JSON, read
+/// under the run's caps; any other answer than a 2xx with a JSON body is the error, in the
+/// words the engine uses (`what` names the request, e.g. `GET /v1/sandboxes`).
+pub async fn get_json(
+    conn: &Conn<'_>,
+    credential: (&str, &str),
+    url: reqwest::Url,
+    what: &str,
+) -> Result<(reqwest::header::HeaderMap, Value), String> {
+    let response = conn
+        .client
+        .get(url)
+        .header(credential.0, credential.1)
+        .timeout(conn.request_timeout)
+        .send()
+        .await
+        .map_err(|e| format!("{what}: {}", why(conn, &e)))?;
+    if !response.status().is_success() {
+        return Err(format!("{what}: status {}", response.status()));
+    }
+    let headers = response.headers().clone();
+    let body = crate::target::read_body(response, conn.limits, None)
+        .await
+        .map_err(|e| match e {
+            crate::target::ReadError::Transport(e) => format!("{what}: {}", why(conn, &e)),
+            e => format!("{what}: {e}"),
+        })?;
+    let json = serde_json::from_slice(&body)
+        .map_err(|_| format!("{what}: the answer is not JSON ({} bytes)", body.len()))?;
+    Ok((headers, json))
+}
+
 /// The `sandspec_run` tag in a record's own `metadata`, if it has one.
 pub fn tag_of(record: &Value) -> Option<&str> {
     record.get("metadata")?.get(RUN_TAG)?.as_str()

@@ -11,6 +11,7 @@ mod support;
 
 mod agent_sandbox;
 mod architecture;
+mod bounds;
 mod cli_run;
 mod evidence;
 mod fuzz;

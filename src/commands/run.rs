@@ -104,6 +104,7 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
         drop: args.drop_capability.clone(),
         request_timeout: args.request_timeout,
         wait_budget: args.max_wait.0,
+        limits: args.read_limits(),
         mcp_server: args.mcp_server.clone(),
         tool_map: args.tool_map.clone(),
         envd_domain: args.envd_domain.clone(),

@@ -14,7 +14,7 @@ use super::transcript::{Body, Credential, Entry, HttpExchange, Note, record_head
 use super::vars::{VarError, Vars};
 use crate::live::Leftover;
 use crate::scenario::{Method, Principal, Via};
-use crate::target::{Target, describe_reqwest};
+use crate::target::{ReadError, ReadLimits, Target, describe_reqwest, read_body};
 
 /// The header that carries the run's canary secret on every request.
 pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
@@ -223,7 +223,12 @@ impl<'a> Ctx<'a> {
     ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
-        let outcome = exchange(self.builder(client, p), self.target.request_timeout).await;
+        let outcome = exchange(
+            self.builder(client, p),
+            self.target.request_timeout,
+            self.target.limits,
+        )
+        .await;
         let mut exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
@@ -255,10 +260,17 @@ impl<'a> Ctx<'a> {
                 self.remember_created(p, &obs);
                 Ok(obs)
             }
-            Err((reason, connect)) => {
+            Err(failed) => {
+                let reason = failed.reason;
                 exchange.error = Some(reason.clone());
-                if connect {
+                if let Some((status, headers)) = &failed.head {
+                    exchange.status = Some(*status);
+                    exchange.response_headers = record_headers(headers);
+                }
+                if failed.connect {
                     Err(StepError::Error(format!("{}: {reason}", self.base(p.via))))
+                } else if let Some((status, _)) = failed.head {
+                    Err(StepError::Fail(format!("status {status}, but {reason}")))
                 } else {
                     Err(StepError::Fail(format!("no response: {reason}")))
                 }
@@ -352,14 +364,35 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// Why an exchange ended without a whole response: the reason, whether the target could not
+/// be connected to at all, and the status and headers when they had arrived (a body that
+/// broke, stalled or crossed its cap).
+#[derive(Debug)]
+pub(super) struct Failed {
+    pub(super) reason: String,
+    pub(super) connect: bool,
+    pub(super) head: Option<(u16, reqwest::header::HeaderMap)>,
+}
+
+impl Failed {
+    fn before_head(reason: String, connect: bool) -> Failed {
+        Failed {
+            reason,
+            connect,
+            head: None,
+        }
+    }
+}
+
 /// Sends a request and reads its whole response, each wait bounded by `limit`: the response
-/// headers (connecting included), then every read of the body. The error is a reason and
-/// whether the target could not be connected to at all.
+/// headers (connecting included), then every read of the body; the body under the run's caps
+/// (`limits`).
 pub(super) async fn exchange(
     builder: reqwest::RequestBuilder,
     limit: Duration,
-) -> Result<Observed, (String, bool)> {
-    exchange_holding(builder, limit, false)
+    limits: ReadLimits,
+) -> Result<Observed, Failed> {
+    exchange_holding(builder, limit, limits, false)
         .await
         .map(|(observed, _)| observed)
 }
@@ -369,17 +402,18 @@ pub(super) async fn exchange(
 pub(super) async fn exchange_holding(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     hold_streams: bool,
-) -> Result<(Observed, Option<reqwest::Response>), (String, bool)> {
+) -> Result<(Observed, Option<reqwest::Response>), Failed> {
     let secs = limit.as_secs_f64();
-    let mut response = match tokio::time::timeout(limit, builder.send()).await {
+    let response = match tokio::time::timeout(limit, builder.send()).await {
         Err(_) => {
-            return Err((
+            return Err(Failed::before_head(
                 format!("headers not received within {secs}s (--request-timeout)"),
                 false,
             ));
         }
-        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Err(e)) => return Err(Failed::before_head(describe_reqwest(&e), e.is_connect())),
         Ok(Ok(r)) => r,
     };
     let status = response.status().as_u16();
@@ -396,27 +430,24 @@ pub(super) async fn exchange_holding(
         };
         return Ok((observed, Some(response)));
     }
-    let mut body = Vec::new();
-    loop {
-        match tokio::time::timeout(limit, response.chunk()).await {
-            Err(_) => {
-                return Err((
-                    format!(
-                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
-                        body.len()
-                    ),
-                    false,
-                ));
-            }
-            Ok(Err(e)) => return Err((describe_reqwest(&e), false)),
-            Ok(Ok(None)) => break,
-            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
+    let body = match read_body(response, limits, Some(limit)).await {
+        Ok(body) => body,
+        Err(ReadError::Stalled { read, .. }) => {
+            return Err(failed(format!(
+                "the response body stalled: no bytes for {secs}s after {read} bytes (--request-timeout)"
+            )));
         }
-    }
+        Err(e) => return Err(failed(e.to_string())),
+    };
     let observed = Observed {
         status,
         headers,
-        body: body.into(),
+        body,
     };
     Ok((observed, None))
 }

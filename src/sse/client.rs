@@ -3,9 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt as _;
-
 use super::parser::{Item, Parser};
+use crate::target::{BoundedBody, ReadError, ReadLimits, TooLarge};
 
 /// An item and when it arrived, measured from the request's start.
 #[derive(Debug, Clone)]
@@ -38,6 +37,9 @@ pub enum EndReason {
     Deadline,
     /// The body failed mid-stream (connection reset, decoding error).
     BodyError(String),
+    /// The stream, one of its lines or one of its events crossed its cap
+    /// (`--max-body-bytes`, `--max-event-bytes`); the connection was closed.
+    TooLarge(TooLarge),
 }
 
 /// Everything observed on one stream.
@@ -65,22 +67,24 @@ impl StreamRecord {
     }
 }
 
-/// Reads `response`'s body until `stop`, `cut_after` events, EOF or `deadline`.
-/// `started` is when the request was sent.
+/// Reads `response`'s body until `stop`, `cut_after` events, EOF or `deadline`, under the
+/// caps of `limits`. `started` is when the request was sent.
 pub async fn read_stream(
     response: reqwest::Response,
+    limits: ReadLimits,
     started: Instant,
     stop: Stop,
     cut_after: Option<usize>,
     deadline: Duration,
 ) -> StreamRecord {
-    read_stream_signalling(response, started, stop, cut_after, deadline, None).await
+    read_stream_signalling(response, limits, started, stop, cut_after, deadline, None).await
 }
 
 /// [`read_stream`], and once `signal`'s count of events has arrived, sends on its channel
 /// (and goes on reading): the caller injects a fault into the open stream's server.
 pub async fn read_stream_signalling(
     response: reqwest::Response,
+    limits: ReadLimits,
     started: Instant,
     stop: Stop,
     cut_after: Option<usize>,
@@ -88,7 +92,6 @@ pub async fn read_stream_signalling(
     mut signal: Option<(usize, tokio::sync::oneshot::Sender<()>)>,
 ) -> StreamRecord {
     let mut parser = Parser::new();
-    let mut body = response.bytes_stream();
     let mut record = StreamRecord {
         items: Vec::new(),
         first_byte: None,
@@ -101,6 +104,14 @@ pub async fn read_stream_signalling(
     let mut events = 0usize;
     let mut last_frame = Duration::ZERO;
     let end_at = tokio::time::Instant::from_std(started + deadline);
+    // The stream's lines and events are counted as they arrive, before the parser keeps them.
+    let mut body = match BoundedBody::new(response, limits) {
+        Ok(body) => body,
+        Err(t) => {
+            record.end = EndReason::TooLarge(t);
+            return record;
+        }
+    };
     'read: loop {
         let next = tokio::time::timeout_at(end_at, body.next()).await;
         let chunk = match next {
@@ -115,6 +126,10 @@ pub async fn read_stream_signalling(
                     record.items.push(Timed { at, item });
                 }
                 record.end = EndReason::Eof;
+                break;
+            }
+            Ok(Some(Err(ReadError::TooLarge(t)))) => {
+                record.end = EndReason::TooLarge(t);
                 break;
             }
             Ok(Some(Err(e))) => {
@@ -223,7 +238,15 @@ pub(crate) mod tests {
         let client = crate::target::build_client(None).unwrap();
         let started = Instant::now();
         let response = client.get(&url).send().await.unwrap();
-        let record = read_stream(response, started, Stop::Eof, None, Duration::from_secs(10)).await;
+        let record = read_stream(
+            response,
+            ReadLimits::default(),
+            started,
+            Stop::Eof,
+            None,
+            Duration::from_secs(10),
+        )
+        .await;
         assert_eq!(record.end, EndReason::Eof);
         let events: Vec<(&str, Option<&str>)> = record
             .events()
@@ -254,6 +277,7 @@ pub(crate) mod tests {
         let r = client.get(&url).send().await.unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Event("exit".into()),
             None,
@@ -264,6 +288,7 @@ pub(crate) mod tests {
         let r = client.get(&url).send().await.unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Eof,
             Some(2),
@@ -286,6 +311,7 @@ pub(crate) mod tests {
             .unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Eof,
             None,
@@ -304,10 +330,17 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn eventsource_client_sees_the_same_events() {
         let url = canned_server(CHUNKS.to_vec(), Duration::from_millis(5)).await;
-        let seen =
-            crate::sse::interop::consume(url, None, None, Stop::Eof, None, Duration::from_secs(10))
-                .await
-                .unwrap();
+        let seen = crate::sse::interop::consume(
+            url,
+            ReadLimits::default(),
+            None,
+            None,
+            Stop::Eof,
+            None,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
         let seen: Vec<(&str, Option<&str>)> = seen
             .iter()
             .map(|(t, id)| (t.as_str(), id.as_deref()))

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::conn::describe_reqwest;
 use super::error::TargetError;
+use super::read::{ReadLimits, read_body};
 
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
@@ -191,11 +192,12 @@ impl Capabilities {
     }
 }
 
-/// `GET /v1/capabilities` as the owner.
+/// `GET /v1/capabilities` as the owner, its answer read under `limits`.
 pub async fn fetch_capabilities(
     client: &reqwest::Client,
     base_url: &str,
     token: &str,
+    limits: ReadLimits,
 ) -> Result<Capabilities, TargetError> {
     let url = format!("{base_url}/v1/capabilities");
     let response = client
@@ -215,12 +217,11 @@ pub async fn fetch_capabilities(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let body = response
-        .bytes()
+    let body = read_body(response, limits, None)
         .await
         .map_err(|e| TargetError::Unreachable {
             url: url.clone(),
-            reason: describe_reqwest(&e),
+            reason: e.to_string(),
         })?;
     if !status.is_success() {
         return Err(TargetError::BadCapabilities {

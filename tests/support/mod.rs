@@ -3,6 +3,7 @@
 
 pub mod command;
 pub mod faulty_proxy;
+pub mod hostile;
 pub mod http;
 pub mod listening;
 pub mod modules;

@@ -17,13 +17,14 @@ use serde::Deserialize;
 use super::kind::{StepKind, secs};
 
 use crate::connect::{self, Item};
-use crate::engine::context::{CANARY_HEADER, Ctx, StepError, exchange, ms};
+use crate::engine::context::{CANARY_HEADER, Ctx, Failed, StepError, exchange, ms};
 use crate::engine::expect::{Observed, json_check};
 use crate::engine::transcript::{Body, Credential, Entry, HttpExchange, record_headers};
 use crate::profile::e2b::envd_route;
 use crate::scenario::{
     Capture, CheckCtx, Checker, JsonCheck, Located, NumExpr, Pos, Scope, Template, present,
 };
+use crate::target::{BoundedBody, ReadError, ReadLimits};
 
 /// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or
 /// a server stream read to its end-of-stream message.
@@ -275,29 +276,33 @@ impl Ctx<'_> {
         let sent = Instant::now();
         let reading = async {
             if c.stream && !c.until.is_empty() {
-                read_until(builder, limit, &c.until, &self.vars).await
+                read_until(builder, limit, self.target.limits, &c.until, &self.vars).await
             } else {
-                exchange(builder, limit).await.map(|o| (o, false))
+                exchange(builder, limit, self.target.limits)
+                    .await
+                    .map(|o| (o, false))
             }
         };
         let (result, stopped) = match tokio::time::timeout(limit, reading).await {
             Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
             Ok(Err(e)) => (Err(e), false),
             Err(_) if !c.until.is_empty() => (
-                Err((
-                    format!(
+                Err(Failed {
+                    reason: format!(
                         "no message held `until` within {}s, and the stream did not end",
                         limit.as_secs()
                     ),
-                    false,
-                )),
+                    connect: false,
+                    head: None,
+                }),
                 false,
             ),
             Err(_) => (
-                Err((
-                    format!("the call did not complete within {}s", limit.as_secs()),
-                    false,
-                )),
+                Err(Failed {
+                    reason: format!("the call did not complete within {}s", limit.as_secs()),
+                    connect: false,
+                    head: None,
+                }),
                 false,
             ),
         };
@@ -320,11 +325,18 @@ impl Ctx<'_> {
         };
         let obs = match result {
             Ok(obs) => obs,
-            Err((reason, connect)) => {
+            Err(failed) => {
+                let reason = failed.reason;
                 record.error = Some(reason.clone());
+                if let Some((status, headers)) = &failed.head {
+                    record.status = Some(*status);
+                    record.response_headers = record_headers(headers);
+                }
                 self.transcript.push(Entry::Http(record));
-                return Err(if connect {
+                return Err(if failed.connect {
                     StepError::Error(reason)
+                } else if let Some((status, _)) = failed.head {
+                    StepError::Fail(format!("status {status}, but {reason}"))
                 } else {
                     StepError::Fail(format!("no response: {reason}"))
                 });
@@ -594,40 +606,48 @@ impl Ctx<'_> {
 async fn read_until(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     until: &[crate::scenario::JsonCheck],
     vars: &crate::engine::vars::Vars<'_>,
-) -> Result<(Observed, bool), (String, bool)> {
+) -> Result<(Observed, bool), Failed> {
     let secs = limit.as_secs_f64();
-    let mut response = match builder.timeout(limit).send().await {
+    let response = match builder.timeout(limit).send().await {
         Ok(r) => r,
         Err(e) => {
-            return Err((crate::target::describe_reqwest(&e), e.is_connect()));
+            return Err(Failed {
+                reason: crate::target::describe_reqwest(&e),
+                connect: e.is_connect(),
+                head: None,
+            });
         }
     };
     let status = response.status().as_u16();
     let headers = response.headers().clone();
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
     let streamed = status == 200
         && headers
             .get(reqwest::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|ct| ct.starts_with("application/connect+json"));
+    let mut reader = BoundedBody::new(response, limits).map_err(|t| failed(t.to_string()))?;
     let mut parser = connect::Parser::new();
     let mut body = Vec::new();
     let mut stopped = false;
     loop {
-        let chunk = match response.chunk().await {
-            Ok(Some(chunk)) => chunk,
-            Ok(None) => break,
-            Err(e) if e.is_timeout() => {
-                return Err((
-                    format!(
-                        "the stream stalled after {} bytes within {secs}s",
-                        body.len()
-                    ),
-                    false,
-                ));
+        let chunk = match reader.next().await {
+            Some(Ok(chunk)) => chunk,
+            None => break,
+            Some(Err(ReadError::Transport(e))) if e.is_timeout() => {
+                return Err(failed(format!(
+                    "the stream stalled after {} bytes within {secs}s",
+                    body.len()
+                )));
             }
-            Err(e) => return Err((crate::target::describe_reqwest(&e), false)),
+            Some(Err(e)) => return Err(failed(e.to_string())),
         };
         body.extend_from_slice(&chunk);
         if !streamed {
@@ -642,7 +662,7 @@ async fn read_until(
             break;
         }
     }
-    drop(response);
+    drop(reader);
     Ok((
         Observed {
             status,
@@ -712,9 +732,15 @@ mod tests {
             .unwrap()
             .post(url)
             .body("x");
-        read_until(builder, Duration::from_secs(30), checks, &vars)
-            .await
-            .unwrap()
+        read_until(
+            builder,
+            Duration::from_secs(30),
+            ReadLimits::default(),
+            checks,
+            &vars,
+        )
+        .await
+        .unwrap()
     }
 
     #[tokio::test]

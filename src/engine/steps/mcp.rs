@@ -204,15 +204,16 @@ impl Ctx<'_> {
                     .collect(),
             };
             self.secrets.push(self.target.tokens.owner.clone());
-            let session = tokio::time::timeout(CALL_WAIT, McpSession::start(&command))
-                .await
-                .map_err(|_| {
-                    StepError::Fail(format!(
-                        "the MCP server did not finish `initialize` within {}s",
-                        CALL_WAIT.as_secs()
-                    ))
-                })?
-                .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
+            let session =
+                tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
+                    .await
+                    .map_err(|_| {
+                        StepError::Fail(format!(
+                            "the MCP server did not finish `initialize` within {}s",
+                            CALL_WAIT.as_secs()
+                        ))
+                    })?
+                    .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
             self.mcp_sessions.insert(
                 m.session.clone(),
                 RunSession {

@@ -208,11 +208,12 @@ impl Ctx<'_> {
         }
         let client = self.target.client.clone();
         let limit = self.target.request_timeout;
+        let limits = self.target.limits;
         let futures = prepared.iter().map(|pr| {
             let b = self.builder(&client, pr);
             async move {
                 let sent = Instant::now();
-                let r = exchange_holding(b, limit, close_streams).await;
+                let r = exchange_holding(b, limit, limits, close_streams).await;
                 (r, sent.elapsed())
             }
         });
@@ -256,11 +257,18 @@ impl Ctx<'_> {
                     self.remember_created(pr, &obs);
                     observed.push(obs);
                 }
-                Err((reason, connect)) => {
+                Err(failed) => {
+                    let reason = failed.reason;
                     exchange.error = Some(reason.clone());
+                    if let Some((status, headers)) = &failed.head {
+                        exchange.status = Some(*status);
+                        exchange.response_headers = record_headers(headers);
+                    }
                     self.transcript.push(Entry::Http(exchange));
-                    return Err(if connect {
+                    return Err(if failed.connect {
                         StepError::Error(reason)
+                    } else if let Some((status, _)) = failed.head {
+                        StepError::Fail(format!("status {status}, but {reason}"))
                     } else {
                         StepError::Fail(format!("no response: {reason}"))
                     });

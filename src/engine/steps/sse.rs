@@ -22,7 +22,7 @@ use crate::scenario::{
     Template, Via,
 };
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream_signalling};
-use crate::target::describe_reqwest;
+use crate::target::{ReadError, describe_reqwest, read_body};
 
 /// `(event type, id)` per event, as an interop probe saw them.
 type Seen = Vec<(String, Option<String>)>;
@@ -358,12 +358,22 @@ impl Ctx<'_> {
             return Err(StepError::Fail(msg));
         }
         if status != 200 {
-            // Not a stream: judge the response like any other.
-            let body = tokio::time::timeout(self.target.request_timeout, response.bytes())
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default();
+            // Not a stream: judge the response like any other, its body under the body cap.
+            let body = match read_body(
+                response,
+                self.target.limits,
+                Some(self.target.request_timeout),
+            )
+            .await
+            {
+                Ok(body) => body,
+                Err(ReadError::TooLarge(t)) => {
+                    exchange.end = format!("not a stream: {t}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Fail(format!("status {status}, but {t}")));
+                }
+                Err(_) => bytes::Bytes::new(),
+            };
             exchange.end = "not a stream".into();
             self.transcript.push(Entry::Sse(exchange));
             let obs = Observed {
@@ -417,6 +427,7 @@ impl Ctx<'_> {
         let signal = s.stop_database_after.map(|n| (n as usize, tx));
         let strict = read_stream_signalling(
             response,
+            self.target.limits,
             sent,
             stop,
             s.cut_after.map(|n| n as usize),
@@ -461,7 +472,10 @@ impl Ctx<'_> {
         }
         exchange.first_frame_ms = record.first_frame.map(ms);
         exchange.eof_ms = record.eof.map(ms);
-        exchange.end = format!("{:?}", record.end);
+        exchange.end = match &record.end {
+            EndReason::TooLarge(t) => format!("TooLarge: {t}"),
+            end => format!("{end:?}"),
+        };
         let mut framing = Framing::after(resume_after);
         if s.id_gaps {
             framing = framing.allowing_gaps();
@@ -506,6 +520,7 @@ impl Ctx<'_> {
         self.transcript.push(Entry::Sse(exchange));
         match (&record.end, &s.until, s.cut_after) {
             (EndReason::BodyError(e), _, _) => failures.push(format!("stream broke: {e}")),
+            (EndReason::TooLarge(t), _, _) => failures.push(format!("stream refused: {t}")),
             (EndReason::Cut, _, Some(_))
             | (EndReason::Stopped, _, _)
             | (EndReason::Eof, Until::Eof, None) => {}
@@ -690,6 +705,7 @@ impl Ctx<'_> {
         let url = format!("{}{}", self.base(p.via), p.target);
         let bearer = self.token(p.principal).map(str::to_owned);
         let cut_after = s.cut_after.map(|n| n as usize);
+        let limits = self.target.limits;
         async move {
             if !enabled {
                 return None;
@@ -699,6 +715,7 @@ impl Ctx<'_> {
                 Some(
                     crate::sse::interop::consume(
                         url,
+                        limits,
                         bearer,
                         last_event_id,
                         stop,
@@ -710,7 +727,15 @@ impl Ctx<'_> {
             }
             #[cfg(not(feature = "interop"))]
             {
-                let _ = (url, bearer, last_event_id, stop, cut_after, deadline);
+                let _ = (
+                    url,
+                    limits,
+                    bearer,
+                    last_event_id,
+                    stop,
+                    cut_after,
+                    deadline,
+                );
                 None
             }
         }
