@@ -171,6 +171,16 @@ pub struct RunArgs {
     /// [default: 16M].
     #[arg(long, value_name = "BYTES", value_parser = crate::target::parse_size)]
     pub max_event_bytes: Option<u64>,
+    /// Sandboxes the run may hold at once (an account's limit): a scenario starts only when
+    /// what its steps may create fits beside those running, and one that may hold more than N
+    /// is skipped.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sandboxes: Option<u64>,
+    /// Sandbox-seconds the run may use (what a platform bills): once its sandboxes have been
+    /// held that long in all, no further scenario starts; the running ones finish and clean
+    /// up, the run is swept, and its verdict says the budget ended it.
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sandbox_seconds: Option<u64>,
     /// Allow a target that is not on loopback without asking: a live run against a real
     /// deployment, whose resources are tagged with the run ID and swept at the end.
     #[arg(long, requires = "target")]

@@ -170,7 +170,11 @@ fn every_read_of_a_target_goes_through_the_meter() {
     // The one exception: the live guard reads the user's answer from the terminal.
     assert_eq!(found, ["live.rs"]);
     let live = std::fs::read_to_string(src().join("live.rs")).unwrap();
-    assert_eq!(unbounded.find_iter(&live).count(), 1, "live.rs reads only stdin");
+    assert_eq!(
+        unbounded.find_iter(&live).count(),
+        1,
+        "live.rs reads only stdin"
+    );
     for call in [
         "response.bytes().await",
         "let v = r.json::<Value>().await",

@@ -349,7 +349,7 @@ fn an_endless_list_stops_the_sweep_at_the_cap() {
     bounded(&m, SMALL_PEAK_BOUND_KIB);
 }
 
-/// A launched service that prints gigabytes on one line and exits: the start fails with its
+/// A launched service that prints 200 MB on one line and exits: the start fails with its
 /// output, whose line is kept cut to the output line cap.
 #[test]
 fn a_launched_service_printing_an_endless_line_is_kept_to_the_cap() {
@@ -359,7 +359,7 @@ fn a_launched_service_printing_an_endless_line_is_kept_to_the_cap() {
         "--api",
         "agent-sandbox",
         "--launch",
-        "head -c 1000000000 /dev/zero | tr '\\0' x; exit 1",
+        "head -c 200000000 /dev/zero | tr '\\0' x; exit 1",
         "--out",
     ]
     .iter()
@@ -370,7 +370,7 @@ fn a_launched_service_printing_an_endless_line_is_kept_to_the_cap() {
     eprintln!("peak {} KiB in {:?}", m.peak_kib, m.took);
     assert_eq!(m.code, Some(3), "{}", m.stderr);
     assert!(
-        m.stderr.contains("(a line of 1000000000 bytes, cut)"),
+        m.stderr.contains("(a line of 200000000 bytes, cut)"),
         "{}",
         m.stderr
     );

@@ -13,6 +13,7 @@ mod agent_sandbox;
 mod architecture;
 mod bounds;
 mod cli_run;
+mod cloud;
 mod evidence;
 mod fuzz;
 mod isolation;

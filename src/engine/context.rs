@@ -13,6 +13,7 @@ use super::outcome::Outcome;
 use super::transcript::{Body, Credential, Entry, HttpExchange, Note, record_headers};
 use super::vars::{VarError, Vars};
 use crate::live::Leftover;
+use crate::profile::CreatedKind;
 use crate::scenario::{Method, Principal, Via};
 use crate::target::{ReadError, ReadLimits, Target, describe_reqwest, read_body};
 
@@ -93,6 +94,15 @@ pub(crate) struct Ctx<'a> {
     pub(super) mcp_sessions: BTreeMap<String, crate::mcp::RunSession>,
     /// The faults the scenario injected, each with the steps that passed after it.
     pub(super) faults: Vec<FaultRecord>,
+    /// When the part being run (the steps, the cleanup, the leak check) must be done: a
+    /// throttle wait must fit before it.
+    pub(super) deadline: Option<Instant>,
+    /// The statuses the running step's expectations name: a throttling answer with one of
+    /// them is judged as it is, never waited out.
+    pub(super) names: Vec<u16>,
+    /// Throttle waits so far, and the time they took (taken from the wait budget).
+    pub(super) throttle_waits: u32,
+    pub(super) throttled_for: Duration,
 }
 
 /// One injected fault as the receipt records it.
@@ -214,8 +224,31 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Sends a prepared request and records it. Transport errors are classified here.
+    /// Sends a prepared request and records it, waiting out throttling answers the step does
+    /// not name (each sending and each wait recorded). Transport errors are classified here.
     pub(super) async fn send(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+    ) -> Result<Observed, StepError> {
+        let what = format!("{} {}", p.method.as_str(), p.target);
+        let mut attempt = 1;
+        loop {
+            let obs = self.send_once(client, p, label).await?;
+            match self
+                .wait_out(label, &what, obs.status, &obs.headers, attempt)
+                .await
+            {
+                Ok(true) => attempt += 1,
+                Ok(false) => return Ok(obs),
+                Err(reason) => return Err(StepError::Error(reason)),
+            }
+        }
+    }
+
+    /// Sends a prepared request once and records it.
+    async fn send_once(
         &mut self,
         client: &reqwest::Client,
         p: &Prepared,
@@ -223,6 +256,7 @@ impl<'a> Ctx<'a> {
     ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
+        self.target.usage.sent(p_body(&p.body).len() as u64);
         let outcome = exchange(
             self.builder(client, p),
             self.target.request_timeout,
@@ -257,7 +291,7 @@ impl<'a> Ctx<'a> {
                 if (200..300).contains(&obs.status) {
                     self.saw_success = true;
                 }
-                self.remember_created(p, &obs);
+                self.observed(p, &obs);
                 Ok(obs)
             }
             Err(failed) => {
@@ -280,6 +314,18 @@ impl<'a> Ctx<'a> {
         result
     }
 
+    /// What an answer tells the run's account: bytes received, what it created (added to
+    /// the ledger), and a sandbox seen gone (its delete answered, or a 404 for it).
+    pub(super) fn observed(&mut self, p: &Prepared, obs: &Observed) {
+        let usage = &self.target.usage;
+        usage.received(obs.body.len() as u64);
+        let path = p.target.split('?').next().unwrap_or_default();
+        if obs.status == 404 || (p.method == Method::Delete && (200..300).contains(&obs.status)) {
+            usage.gone(path);
+        }
+        self.remember_created(p, obs);
+    }
+
     /// Adds what a successful create made to the ledger (once per object).
     pub(super) fn remember_created(&mut self, p: &Prepared, obs: &Observed) {
         if p.method != Method::Post || obs.status != 201 {
@@ -300,6 +346,11 @@ impl<'a> Ctx<'a> {
                 self.secrets.push(token.clone());
             }
             if !self.ledger.iter().any(|c| c.creation.path == creation.path) {
+                match creation.kind {
+                    CreatedKind::Sandbox => self.target.usage.sandbox_created(&creation.path),
+                    CreatedKind::Session => self.target.usage.session_created(),
+                    _ => {}
+                }
                 self.ledger.push(Created {
                     creation,
                     principal: p.principal,
@@ -375,6 +426,11 @@ pub(super) struct Failed {
 }
 
 impl Failed {
+    /// A request whose throttling could not be waited out (the step ends in ERROR).
+    pub(super) fn given_up() -> Failed {
+        Failed::before_head("throttled".to_owned(), false)
+    }
+
     fn before_head(reason: String, connect: bool) -> Failed {
         Failed {
             reason,

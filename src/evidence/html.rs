@@ -471,6 +471,23 @@ fn notes(r: &Receipt) -> Vec<String> {
             gate.line()
         ));
     }
+    let c = &r.consumption;
+    notes.push(format!(
+        "Consumed: {} sandboxes (at most {} at once), {:.1} sandbox-seconds, {} sessions, {} requests, {} bytes received; {} throttle waits ({:.1} s).{}",
+        c.sandboxes_created,
+        c.peak_sandboxes,
+        c.sandbox_seconds,
+        c.sessions_created,
+        c.requests,
+        c.bytes_received,
+        c.throttles.waits,
+        c.throttles.waited_ms as f64 / 1000.0,
+        if c.budget_ended {
+            " The sandbox-seconds budget (--max-sandbox-seconds) ended the run."
+        } else {
+            ""
+        }
+    ));
     notes
 }
 

@@ -153,6 +153,12 @@ impl Profile for V1 {
         }
     }
 
+    /// A sandbox create, and a session's (which makes a sandbox of its own unless it attaches
+    /// to one).
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        method == "POST" && matches!(path, "/v1/sandboxes" | "/v1/sessions")
+    }
+
     fn sweep_run<'a>(
         &'a self,
         conn: &'a Conn<'a>,

@@ -56,6 +56,8 @@ pub struct StreamRecord {
     /// last frame to the end), for heartbeat checks.
     pub longest_silence: Duration,
     pub last_event_id: String,
+    /// Bytes of the stream read.
+    pub bytes: u64,
 }
 
 impl StreamRecord {
@@ -100,6 +102,7 @@ pub async fn read_stream_signalling(
         end: EndReason::Deadline,
         longest_silence: Duration::ZERO,
         last_event_id: String::new(),
+        bytes: 0,
     };
     let mut events = 0usize;
     let mut last_frame = Duration::ZERO;
@@ -172,6 +175,7 @@ pub async fn read_stream_signalling(
             }
         }
     }
+    record.bytes = body.read();
     let end = record.eof.unwrap_or_else(|| started.elapsed());
     record.longest_silence = record.longest_silence.max(end.saturating_sub(last_frame));
     // The parser may have read past a cut; the last id is that of the last item kept.

@@ -35,6 +35,8 @@ pub struct Conn<'a> {
     pub request_timeout: Duration,
     /// The caps on what the target sends.
     pub limits: super::read::ReadLimits,
+    /// What the run consumed: a sweep's requests count too.
+    pub usage: &'a super::usage::Usage,
 }
 
 /// Installs the ring crypto provider for rustls once per process (reqwest is built with

@@ -14,6 +14,8 @@ mod read;
 mod reference;
 mod service;
 mod spec;
+mod throttle;
+mod usage;
 
 use std::time::Duration;
 
@@ -35,6 +37,11 @@ pub use reference::{
 pub use service::Service;
 use spec::Opening;
 pub use spec::{CheckedSpec, Endpoint, TargetSpec, UrlEndpoint};
+pub use throttle::{
+    DEFAULT_WAIT, MAX_ATTEMPTS, MIN_WAIT, OWN_REQUEST_PATIENCE, Throttle, send_patiently,
+    throttle_of,
+};
+pub use usage::{AccountLimits, Consumption, Throttles, Usage};
 
 use crate::profile::{Api, CapabilitySource, Profile};
 
@@ -71,6 +78,9 @@ pub struct Target {
     pub request_timeout: Duration,
     /// The caps on what the target sends (`--max-body-bytes`, `--max-event-bytes`).
     pub limits: ReadLimits,
+    /// What the run consumed of the target's account; shared with every deployment started
+    /// for one of its scenarios.
+    pub usage: std::sync::Arc<Usage>,
     /// The sandbox MCP server the MCP profile drives, and its tool map (`--api mcp`).
     pub mcp: Option<crate::mcp::McpServer>,
     /// The reference server, when this target started it; killed on drop.
@@ -172,6 +182,7 @@ impl Target {
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             limits: ReadLimits::default(),
+            usage: std::sync::Arc::default(),
             mcp: None,
             _server: None,
             launcher: None,
@@ -193,6 +204,7 @@ impl Target {
             client: &self.client,
             request_timeout: self.request_timeout,
             limits: self.limits,
+            usage: &self.usage,
         }
     }
 
@@ -309,9 +321,12 @@ impl Target {
     ) -> Result<Target, TargetError> {
         let base_url = checked_base_url(base_url)?;
         let client = build_client(ca.as_ref())?;
-        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner, limits).await?;
+        let usage = std::sync::Arc::new(Usage::default());
+        let capabilities =
+            fetch_capabilities(&client, &base_url, &tokens.owner, limits, &usage).await?;
         Ok(Target {
             limits,
+            usage,
             ..Target::new(base_url, client, tokens, capabilities, ca)
         })
     }
@@ -320,7 +335,14 @@ impl Target {
     /// capabilities must be readable, as the target's are.
     pub async fn with_peer_url(mut self, peer_url: &str) -> Result<Target, TargetError> {
         let base_url = checked_base_url(peer_url)?;
-        fetch_capabilities(&self.client, &base_url, &self.tokens.owner, self.limits).await?;
+        fetch_capabilities(
+            &self.client,
+            &base_url,
+            &self.tokens.owner,
+            self.limits,
+            &self.usage,
+        )
+        .await?;
         self.peer = Some(Peer {
             base_url,
             _server: None,
@@ -337,11 +359,13 @@ impl Target {
         let client = build_client(None)?;
         let base_url = server.url.clone();
         let limits = ReadLimits::default();
-        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner, limits).await?;
+        let usage = std::sync::Arc::new(Usage::default());
+        let capabilities =
+            fetch_capabilities(&client, &base_url, &tokens.owner, limits, &usage).await?;
         let peer = match &options.database_url {
             Some(_) => {
                 let second = ReferenceServer::start_with_tokens(options, tokens.clone()).await?;
-                fetch_capabilities(&client, &second.url, &tokens.owner, limits).await?;
+                fetch_capabilities(&client, &second.url, &tokens.owner, limits, &usage).await?;
                 Some(Peer {
                     base_url: second.url.clone(),
                     _server: Some(second),
@@ -351,6 +375,7 @@ impl Target {
         };
         Ok(Target {
             kind: "reference",
+            usage,
             peer,
             _server: Some(server),
             launcher: Some(options.clone()),
@@ -398,14 +423,27 @@ impl Target {
         };
         let primary = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
         let client = build_client(None)?;
-        let capabilities =
-            fetch_capabilities(&client, &primary.url, &self.tokens.owner, self.limits).await?;
+        let capabilities = fetch_capabilities(
+            &client,
+            &primary.url,
+            &self.tokens.owner,
+            self.limits,
+            &self.usage,
+        )
+        .await?;
         let base_url = primary.url.clone();
         let mut servers = vec![primary];
         let mut peer = None;
         if options.database_url.is_some() {
             let second = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
-            fetch_capabilities(&client, &second.url, &self.tokens.owner, self.limits).await?;
+            fetch_capabilities(
+                &client,
+                &second.url,
+                &self.tokens.owner,
+                self.limits,
+                &self.usage,
+            )
+            .await?;
             peer = Some(Peer {
                 base_url: second.url.clone(),
                 _server: None,
@@ -421,6 +459,7 @@ impl Target {
             wait_budget: self.wait_budget,
             request_timeout: self.request_timeout,
             limits: self.limits,
+            usage: self.usage.clone(),
             control: Some(Control {
                 servers: tokio::sync::Mutex::new(servers),
                 cluster,

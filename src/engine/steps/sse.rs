@@ -9,13 +9,14 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::kind::{StepKind, expects_2xx, secs};
+use super::kind::{StepKind, expects_2xx, named_statuses, secs};
 
 use crate::engine::context::{
     CANARY_HEADER, Ctx, FaultRecord, Prepared, StepError, is_credential_header, ms, with_problem,
     with_query,
 };
 use crate::engine::expect::{Observed, check_response, json_check, status_ok};
+use crate::engine::throttle::OnThrottle;
 use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
 use crate::scenario::{
     CheckCtx, Checker, Expect, JsonCheck, Located, Method, NumExpr, Pos, Principal, Scope,
@@ -230,6 +231,10 @@ impl StepKind for Sse {
         self.principal == Principal::Admin
     }
 
+    fn names_statuses(&self) -> Vec<u16> {
+        named_statuses(&self.expect)
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.sse(self, label).await
     }
@@ -300,53 +305,75 @@ impl Ctx<'_> {
             .as_ref()
             .map(|n| self.vars.num(n))
             .transpose()?;
-        let at_ms = self.at();
-        let sent = Instant::now();
-        // The response headers, like the stream after them, must come within the step's
-        // deadline; no request timeout beyond that.
-        let result = tokio::time::timeout(
-            deadline,
-            self.builder(&self.target.client, &prepared).send(),
-        )
-        .await;
-        let mut exchange = SseExchange {
-            step: label.to_owned(),
-            at_ms,
-            credential: self.credential(&prepared),
-            target: prepared.target.clone(),
-            last_event_id: last_event_id.clone(),
-            status: None,
-            response_headers: Vec::new(),
-            frames: Vec::new(),
-            first_frame_ms: None,
-            eof_ms: None,
-            end: String::new(),
-        };
-        let response = match result {
-            Ok(Ok(r)) => r,
-            Err(_) => {
-                let reason = format!(
-                    "no response: headers not received within {deadline_s}s (the step's deadline)"
-                );
-                exchange.end = format!("error: {reason}");
-                self.transcript.push(Entry::Sse(exchange));
-                return Err(StepError::Fail(reason));
+        let what = format!("GET {}", prepared.target);
+        let mut attempt = 1;
+        let (mut exchange, response, sent, status, headers) = loop {
+            let at_ms = self.at();
+            let sent = Instant::now();
+            self.target.usage.sent(0);
+            // The response headers, like the stream after them, must come within the step's
+            // deadline; no request timeout beyond that.
+            let result = tokio::time::timeout(
+                deadline,
+                self.builder(&self.target.client, &prepared).send(),
+            )
+            .await;
+            let mut exchange = SseExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: self.credential(&prepared),
+                target: prepared.target.clone(),
+                last_event_id: last_event_id.clone(),
+                status: None,
+                response_headers: Vec::new(),
+                frames: Vec::new(),
+                first_frame_ms: None,
+                eof_ms: None,
+                end: String::new(),
+            };
+            let response = match result {
+                Ok(Ok(r)) => r,
+                Err(_) => {
+                    let reason = format!(
+                        "no response: headers not received within {deadline_s}s (the step's deadline)"
+                    );
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Fail(reason));
+                }
+                Ok(Err(e)) => {
+                    let reason = describe_reqwest(&e);
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(if e.is_connect() {
+                        StepError::Error(reason)
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            };
+            let status = response.status().as_u16();
+            let headers = response.headers().clone();
+            exchange.status = Some(status);
+            exchange.response_headers = record_headers(&headers);
+            match self.throttle(&what, status, &headers, attempt) {
+                OnThrottle::Judge => break (exchange, response, sent, status, headers),
+                OnThrottle::GiveUp(reason) => {
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Error(reason));
+                }
+                OnThrottle::Wait(t) => {
+                    drop(response);
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    self.spent_waiting(t.wait);
+                    self.record_wait(label, &what, &t);
+                    tokio::time::sleep(t.wait).await;
+                    attempt += 1;
+                }
             }
-            Ok(Err(e)) => {
-                let reason = describe_reqwest(&e);
-                exchange.end = format!("error: {reason}");
-                self.transcript.push(Entry::Sse(exchange));
-                return Err(if e.is_connect() {
-                    StepError::Error(reason)
-                } else {
-                    StepError::Fail(format!("no response: {reason}"))
-                });
-            }
         };
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        exchange.status = Some(status);
-        exchange.response_headers = record_headers(&headers);
         let mut failures = Vec::new();
         let status_check = status_ok(&s.expect, status, Some(200));
         if status == 200
@@ -366,7 +393,10 @@ impl Ctx<'_> {
             )
             .await
             {
-                Ok(body) => body,
+                Ok(body) => {
+                    self.target.usage.received(body.len() as u64);
+                    body
+                }
                 Err(ReadError::TooLarge(t)) => {
                     exchange.end = format!("not a stream: {t}");
                     self.transcript.push(Entry::Sse(exchange));
@@ -449,6 +479,7 @@ impl Ctx<'_> {
             Some(done.map(|()| (at, ms(began.elapsed()))))
         };
         let (record, probed, stopped) = tokio::join!(strict, probe, outage);
+        self.target.usage.received(record.bytes);
         match stopped {
             Some(Ok((at_ms, took_ms))) => {
                 self.note(format!(

@@ -97,6 +97,10 @@ impl Profile for E2b {
         created(method, path, status, body)
     }
 
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        creates_sandbox(method, path)
+    }
+
     fn sweep_run<'a>(
         &'a self,
         conn: &'a Conn<'a>,
@@ -149,6 +153,11 @@ pub(crate) fn created(method: &str, path: &str, status: u16, body: &Value) -> Ve
         )],
         None => Vec::new(),
     }
+}
+
+/// A sandbox create of E2B's control plane (`POST /sandboxes`, `POST /v2/sandboxes`).
+pub(crate) fn creates_sandbox(method: &str, path: &str) -> bool {
+    method == "POST" && matches!(path, "/sandboxes" | "/v2/sandboxes")
 }
 
 /// The end-of-run sweep of an E2B control plane: for every principal, the running and paused
