@@ -1,7 +1,9 @@
 //! A hostile target for tests: a loopback HTTP/1.1 server, on threads of its own, that
 //! answers each request as the test says, among them answers that never end (a body, an SSE
 //! line, a Connect message that goes on for ever); and `sandspec run` as a child process
-//! whose peak memory (`ru_maxrss` from `wait4`) and wall time are measured.
+//! whose peak memory (its `VmHWM`, read from `/proc` until it exits) and wall time are
+//! measured. Not `ru_maxrss`: a child spawned from the test process starts with that
+//! process's high-water mark, whatever it uses itself.
 
 #![allow(dead_code)]
 
@@ -91,7 +93,7 @@ pub fn json(status: u16, body: serde_json::Value) -> Answer {
 pub struct Measured {
     /// Its exit code (`None` when a signal ended it).
     pub code: Option<i32>,
-    /// Its peak resident set, in KiB (`ru_maxrss` of `wait4`).
+    /// Its peak resident set, in KiB (the last `VmHWM` read before it exited).
     pub peak_kib: u64,
     pub took: Duration,
     pub stdout: String,
@@ -117,42 +119,51 @@ pub fn run_measured(args: &[String], env: &[(&str, &str)], within: Duration) -> 
     let started = Instant::now();
     #[expect(
         clippy::zombie_processes,
-        reason = "reaped by wait4 below, which also measures it"
+        reason = "reaped by waitpid below, while it is measured"
     )]
     let child = command.spawn().expect("sandspec starts");
     let pid = libc::pid_t::try_from(child.id()).unwrap();
-    let (status, usage) = wait_measured(pid, started + within);
+    let (status, peak_kib) = wait_measured(pid, started + within);
     let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).unwrap_or_default();
     Measured {
         code: libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
-        peak_kib: u64::try_from(usage.ru_maxrss).unwrap_or(0),
+        peak_kib,
         took: started.elapsed(),
         stdout: read("stdout"),
         stderr: read("stderr"),
     }
 }
 
-/// Waits for child `pid` with `wait4`, which gives its own resource usage (not that of the
-/// test's other children); SIGKILL at `deadline`.
-fn wait_measured(pid: libc::pid_t, deadline: Instant) -> (libc::c_int, libc::rusage) {
+/// Waits for child `pid`, reading its `VmHWM` every few milliseconds until it exits (a
+/// high-water mark: any reading after the peak shows it, and a run goes on for a while after
+/// a step failed); SIGKILL at `deadline`. Its wait status and the highest `VmHWM` read, KiB.
+fn wait_measured(pid: libc::pid_t, deadline: Instant) -> (libc::c_int, u64) {
+    let status_file = format!("/proc/{pid}/status");
+    let mut peak = 0u64;
     let mut killed = false;
     loop {
+        if let Ok(text) = std::fs::read_to_string(&status_file)
+            && let Some(kib) = text
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        {
+            peak = peak.max(kib);
+        }
         let mut status: libc::c_int = 0;
-        // SAFETY: an all-zero rusage is a valid value of this plain C struct.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: wait4 on our own child, with pointers to locals that outlive the call.
-        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        // SAFETY: waitpid on our own child, with a pointer to a local that outlives the call.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
         if r == pid {
             assert!(!killed, "sandspec did not end in time and was killed");
-            return (status, usage);
+            return (status, peak);
         }
-        assert!(r == 0, "wait4: {}", std::io::Error::last_os_error());
+        assert!(r == 0, "waitpid: {}", std::io::Error::last_os_error());
         if Instant::now() > deadline && !killed {
             // SAFETY: kill(2) on our own child, not reaped yet.
             unsafe { libc::kill(pid, libc::SIGKILL) };
             killed = true;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
