@@ -353,6 +353,74 @@ fn an_endless_list_stops_the_sweep_at_the_cap() {
     bounded(&m, SMALL_PEAK_BOUND_KIB);
 }
 
+/// What the caps leave as it was: a redirect to another origin is not followed (the other
+/// origin sees no request), a body that is not JSON where JSON is required and an event stream
+/// that is not UTF-8 are plain FAILs with their reasons, and nothing panics.
+#[test]
+fn redirects_broken_json_and_invalid_utf8_are_plain_fails() {
+    let other = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = other.clone();
+    let elsewhere = serve(Box::new(move |_, _| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        json(201, json!({"id": "local:sbx_elsewhere"}))
+    }));
+    let url = serve(Box::new(move |method, path| {
+        if path == "/v1/capabilities" {
+            return v1_capabilities();
+        }
+        match (method, path) {
+            ("POST", "/v1/sandboxes") => Answer::Raw(
+                format!(
+                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: {elsewhere}/v1/sandboxes\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+                .into_bytes(),
+            ),
+            ("GET", p) if p.starts_with("/v1/sandboxes?") && p.contains("broken") => {
+                Answer::Whole(200, "application/json", "{\"data\": [".to_owned())
+            }
+            ("GET", "/v1/processes/p/events") => {
+                let mut raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\nid: 1\ndata: {\"seq\":1,\"data\":\"".to_vec();
+                raw.extend_from_slice(b"\xff\xfe\"}\n\n");
+                Answer::Raw(raw)
+            }
+            _ => empty_list(method, path).unwrap_or_else(|| json(404, json!({"code": "not_found"}))),
+        }
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let scenarios = [
+        (
+            "redirect.yaml",
+            "id: BND-REDIRECT-001\ntitle: A create\nclauses: [SBX-3.1]\nlevel: SHOULD\nsteps:\n  - request: {method: POST, path: /v1/sandboxes, json: {metadata: {sandspec_run: \"{{run_id}}\"}}, expect: {status: 201}}\n",
+        ),
+        (
+            "json.yaml",
+            "id: BND-JSON-001\ntitle: A list\nclauses: [SBX-3.12]\nlevel: SHOULD\nsteps:\n  - request: {method: GET, path: /v1/sandboxes, query: {broken: \"yes\"}, expect: {status: 200, json: [{pointer: /data, length: 0}]}}\n",
+        ),
+        ("utf8.yaml", SSE_SCENARIO),
+    ];
+    let mut catalog_dir = None;
+    for (file, yaml) in scenarios {
+        catalog_dir = Some(catalog(dir.path(), &format!("bounds/{file}"), yaml));
+    }
+    let m = run(&url, dir.path(), &catalog_dir.unwrap(), &[]);
+    assert_eq!(m.code, Some(1), "not conformant");
+    assert!(!m.stderr.contains("panicked"), "{}", m.stderr);
+    assert_eq!(
+        other.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the redirect was followed"
+    );
+    let redirect = reason_of(dir.path(), "BND-REDIRECT-001");
+    assert!(redirect.contains("status 307, expected 201"), "{redirect}");
+    let broken = reason_of(dir.path(), "BND-JSON-001");
+    assert!(broken.contains("response body is not JSON"), "{broken}");
+    let utf8 = reason_of(dir.path(), "BND-SSE-001");
+    assert!(
+        utf8.contains("framing: line 2 is not valid UTF-8"),
+        "{utf8}"
+    );
+}
+
 /// A launched service that prints 200 MB on one line and exits: the start fails with its
 /// output, whose line is kept cut to the output line cap.
 #[test]

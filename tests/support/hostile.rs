@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 pub enum Answer {
     /// A whole response: status, content type, body.
     Whole(u16, &'static str, String),
+    /// These bytes, as they are: a status line, headers and a body of the test's making.
+    Raw(Vec<u8>),
     /// A `200` with this content type whose body is `first`, then `again` for ever (until the
     /// client closes the connection): the body has no length and never ends.
     Endless {
@@ -65,6 +67,9 @@ fn answer(mut socket: TcpStream, route: &Route) {
                 body.len()
             );
             let _ = socket.write_all(response.as_bytes());
+        }
+        Answer::Raw(bytes) => {
+            let _ = socket.write_all(&bytes);
         }
         Answer::Endless {
             content_type,

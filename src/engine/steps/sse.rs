@@ -733,6 +733,10 @@ impl Ctx<'_> {
                 .iter()
                 .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));
         let enabled = cfg!(feature = "interop") && s.interop && plain;
+        if enabled {
+            // A second request for the same stream: what the run sent counts it.
+            self.target.usage.sent(0);
+        }
         let url = format!("{}{}", self.base(p.via), p.target);
         let bearer = self.token(p.principal).map(str::to_owned);
         let cut_after = s.cut_after.map(|n| n as usize);
