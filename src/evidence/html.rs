@@ -342,6 +342,8 @@ struct ScenarioRow {
     duration: String,
     clauses: String,
     transcript: Option<String>,
+    /// `throttled: 3 waits, 4.0 s` when it waited out throttling answers.
+    throttled: Option<String>,
 }
 
 struct ClauseRow {
@@ -581,6 +583,13 @@ fn scenario_row(s: &ScenarioResult) -> ScenarioRow {
         duration: seconds(s.duration_ms),
         clauses: s.clauses.join(", "),
         transcript: s.transcript.as_ref().map(|t| t.path.clone()),
+        throttled: (s.throttled.waits > 0).then(|| {
+            format!(
+                "throttled: {} waits, {:.1} s",
+                s.throttled.waits,
+                s.throttled.waited_ms as f64 / 1000.0
+            )
+        }),
     }
 }
 
