@@ -286,13 +286,23 @@ async fn what_a_step_names_or_cannot_wait_for_is_not_sent_again() {
     assert_eq!(sandspec::evidence::verify_cli(&out, None), 0);
 }
 
-/// `--max-sandboxes 3` with eight scenarios at once: the cloud never has more than three
-/// sandboxes live, the scenarios that may hold more are skipped with the numbers, and the
-/// others pass.
+/// `--max-sandboxes 3` with eight scenarios at once, behind a tight rate limit (2 requests a
+/// second per key and resource, in bursts of 4; the lifecycle family names no `429`): the
+/// cloud never has more than three sandboxes live, the scenarios that may hold more are
+/// skipped with the numbers, the others pass, and the limit's `429`s were waited out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_sandboxes_is_never_exceeded() {
     let server = ReferenceServer::start(&reference(&[])).await.unwrap();
-    let cloud = loopback_cloud(&server, Options::default());
+    let cloud = loopback_cloud(
+        &server,
+        Options {
+            rate: Some(RateLimit {
+                burst: 4.0,
+                per_second: 2.0,
+            }),
+            ..Options::default()
+        },
+    );
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let tokens = token_flags("SANDSPEC_CLOUD_MAX", &server);
@@ -333,6 +343,15 @@ async fn max_sandboxes_is_never_exceeded() {
     assert_eq!(c["limits"]["max_sandboxes"], 3);
     assert!(c["peak_sandboxes"].as_u64().unwrap() <= 3, "{c}");
     assert!(c["sandboxes_created"].as_u64().unwrap() >= 10, "{c}");
+    let limited = cloud
+        .stats
+        .throttled
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert!(limited > 0, "the rate limit answered no 429");
+    assert!(
+        c["throttles"]["by_status"]["429"].as_u64().unwrap() >= limited,
+        "{c}: {limited} answered 429 by the rate limit"
+    );
     assert!(cloud.stats.live().is_empty(), "{:?}", cloud.stats.live());
 }
 
