@@ -25,6 +25,8 @@
 //!   target is set up (a launched service, an MCP server) and how a run is swept.
 //! - [`mcp`]: the MCP client session that drives a sandbox MCP server under test over its
 //!   stdio (the official `rmcp` SDK), and the transcript of what was exchanged.
+//! - [`sdk`]: the SDK version matrix (`--sdk`): real client SDKs installed at pinned versions
+//!   run a profile's journeys against the target.
 //! - [`cli`]: the arguments of `sandspec run`, `sandspec list` and `sandspec sweep`, and the
 //!   exit codes; [`commands`]: what those commands do (`run` as a straight line from the
 //!   arguments to a target, a plan, the scheduler and the report).
@@ -46,5 +48,6 @@ pub mod mcp;
 pub mod profile;
 pub mod report;
 pub mod scenario;
+pub mod sdk;
 pub mod sse;
 pub mod target;

@@ -11,7 +11,9 @@ mod support;
 
 mod agent_sandbox;
 mod architecture;
+mod bounds;
 mod cli_run;
+mod cloud;
 mod evidence;
 mod fuzz;
 mod isolation;
@@ -19,6 +21,7 @@ mod live;
 mod mcp;
 mod multiprocess;
 mod report;
+mod sdk_matrix;
 mod tls;
 
 /// A file of `tests/` that is neither a module of its package's integration binary nor a

@@ -215,6 +215,20 @@ pub enum Defect {
     E2bFastExitLosesEnd,
     /// envd `POST /files` refuses `multipart/form-data` (415), taking only octet-stream bodies.
     E2bMultipartUploadRefused,
+    /// envd `Start` ignores `Connect-Timeout-Ms`: the stream and its process run on past it.
+    E2bRequestTimeoutIgnored,
+    /// envd `Start` ends its stream at `Connect-Timeout-Ms` but leaves the process running.
+    E2bTimeoutLeavesProcess,
+    /// E2B `DELETE /sandboxes/{id}` answers 204 but leaves the sandbox running.
+    E2bKillKeepsSandbox,
+    /// envd process streams ignore `Keepalive-Ping-Interval`: a quiet stream carries nothing.
+    E2bKeepaliveIgnored,
+    /// envd `StreamInput` writes the first `data` message's input and drops the rest.
+    E2bStreamInputDropsData,
+    /// E2B's proxy serves only envd's port: every other sandbox port is 502.
+    E2bPortProxyMissing,
+    /// envd takes a signed file URL whose `signature_expiration` has passed.
+    E2bSignatureExpiryIgnored,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -332,6 +346,13 @@ impl Defect {
         Defect::E2bPtyResizeIgnored,
         Defect::E2bFastExitLosesEnd,
         Defect::E2bMultipartUploadRefused,
+        Defect::E2bRequestTimeoutIgnored,
+        Defect::E2bTimeoutLeavesProcess,
+        Defect::E2bKillKeepsSandbox,
+        Defect::E2bKeepaliveIgnored,
+        Defect::E2bStreamInputDropsData,
+        Defect::E2bPortProxyMissing,
+        Defect::E2bSignatureExpiryIgnored,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -438,6 +459,13 @@ impl Defect {
             Defect::E2bPtyResizeIgnored => "e2b-pty-resize-ignored",
             Defect::E2bFastExitLosesEnd => "e2b-fast-exit-loses-end",
             Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
+            Defect::E2bRequestTimeoutIgnored => "e2b-request-timeout-ignored",
+            Defect::E2bTimeoutLeavesProcess => "e2b-timeout-leaves-process",
+            Defect::E2bKillKeepsSandbox => "e2b-kill-keeps-sandbox",
+            Defect::E2bKeepaliveIgnored => "e2b-keepalive-ignored",
+            Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
+            Defect::E2bPortProxyMissing => "e2b-port-proxy-missing",
+            Defect::E2bSignatureExpiryIgnored => "e2b-signature-expiry-ignored",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -585,6 +613,17 @@ impl Defect {
             Defect::E2bPtyResizeIgnored => "E2B: Update leaves a terminal at its old size",
             Defect::E2bFastExitLosesEnd => "E2B: a command that fails at once gets no end event",
             Defect::E2bMultipartUploadRefused => "E2B: multipart uploads are refused",
+            Defect::E2bRequestTimeoutIgnored => "E2B: a command's timeout is ignored",
+            Defect::E2bTimeoutLeavesProcess => {
+                "E2B: a command past its timeout loses its stream but keeps running"
+            }
+            Defect::E2bKillKeepsSandbox => "E2B: a kill answers 204 but the sandbox runs on",
+            Defect::E2bKeepaliveIgnored => "E2B: process streams send no keepalive",
+            Defect::E2bStreamInputDropsData => {
+                "E2B: StreamInput keeps the first data message and drops the rest"
+            }
+            Defect::E2bPortProxyMissing => "E2B: only envd's port is reachable",
+            Defect::E2bSignatureExpiryIgnored => "E2B: expired file URLs still work",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

@@ -19,7 +19,13 @@ pub struct Selection {
     pub shard: Option<Shard>,
     /// `--certify`: the whole catalog, and not-applicable scenarios are not left out.
     pub certify: bool,
+    /// The run adds SDK journeys (`--sdk`), the family `sdk`, which is not in the catalog:
+    /// `--family sdk` selects them alone.
+    pub journeys: bool,
 }
+
+/// The family of SDK journeys, which a run with `--sdk` adds to the catalog's.
+pub const SDK_FAMILY: &str = "sdk";
 
 /// The scenarios a run runs, and what its verdicts speak for.
 #[derive(Debug)]
@@ -30,6 +36,8 @@ pub struct RunPlan {
     pub not_applicable: Vec<NotApplicable>,
     /// The selection and the catalog, family by family, for the verdicts' scope.
     pub facts: RunFacts,
+    /// SDK journeys run beside the selected scenarios.
+    pub journeys: bool,
 }
 
 impl RunPlan {
@@ -46,8 +54,21 @@ impl RunPlan {
             );
         }
         let families: BTreeSet<&str> = catalog.iter().map(|s| s.family.as_str()).collect();
-        if selection.family != "all" && !families.contains(selection.family.as_str()) {
-            let known: Vec<&str> = families.iter().copied().collect();
+        let journeys_alone = selection.journeys && selection.family == SDK_FAMILY;
+        if selection.journeys && !journeys_alone && selection.family != "all" {
+            return Err(format!(
+                "--sdk runs the family `{SDK_FAMILY}`: with --family {} it would not run (use --family all or --family {SDK_FAMILY})",
+                selection.family
+            ));
+        }
+        if selection.family != "all"
+            && !journeys_alone
+            && !families.contains(selection.family.as_str())
+        {
+            let mut known: Vec<&str> = families.iter().copied().collect();
+            if selection.journeys {
+                known.push(SDK_FAMILY);
+            }
             return Err(format!(
                 "unknown family `{}` (known: all, {})",
                 selection.family,
@@ -56,12 +77,13 @@ impl RunPlan {
         }
         let selected: Vec<LoadedScenario> = catalog
             .iter()
+            .filter(|_| !journeys_alone)
             .filter(|s| selection.family == "all" || s.family == selection.family)
             .filter(|s| matches_filters(s, &selection.filters))
             .cloned()
             .collect();
         let selected = select_shard(selected, selection.shard);
-        if selected.is_empty() {
+        if selected.is_empty() && !selection.journeys {
             return Err("no scenario selected".into());
         }
         // What the verdicts speak for: the selection out of the catalog, family by family.
@@ -83,13 +105,14 @@ impl RunPlan {
             selected,
             not_applicable: Vec::new(),
             facts,
+            journeys: selection.journeys,
         })
     }
 
     /// Leaves out the selected scenarios that cannot apply to `target`, each named on stderr
     /// with the way to run it, and recorded in the report and the receipt: they are not
     /// skipped, which would make a correct target's run partial, and they do not count as
-    /// passed either. A usage error when nothing is left.
+    /// passed either. A usage error when nothing is left to run, SDK journeys included.
     pub fn drop_not_applicable(&mut self, target: &Target) -> Result<(), String> {
         let mut rest = Vec::new();
         for s in std::mem::take(&mut self.selected) {
@@ -103,7 +126,7 @@ impl RunPlan {
                 reason: reason.to_owned(),
             });
         }
-        if rest.is_empty() {
+        if rest.is_empty() && !self.journeys {
             return Err(
                 "no scenario selected: no selected scenario applies to this target (see above)"
                     .into(),

@@ -4,13 +4,14 @@
 //! the evidence folder and the exit code.
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::console::{Progress, print_over_budget, print_summary};
+use super::plan::SDK_FAMILY;
 use super::plan::{RunPlan, Selection};
 use crate::cli::{
     EXIT_CONFORMANT, EXIT_HARNESS, EXIT_INTERRUPTED, EXIT_NOT_CONFORMANT, EXIT_USAGE, RunArgs,
@@ -20,6 +21,7 @@ use crate::evidence::{Subject, WriteOptions};
 use crate::gate::{Baseline, Gate, GateRow};
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict, junit_xml};
 use crate::scenario::{LoadedScenario, ParseError, load_dir};
+use crate::sdk::{CellOutcome, Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Endpoint, ReferenceOptions, Target, TargetError, TargetSpec, UrlEndpoint};
 
 /// `sandspec run` from a synchronous `main`: builds a tokio runtime and runs [`run`].
@@ -103,6 +105,7 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
         drop: args.drop_capability.clone(),
         request_timeout: args.request_timeout,
         wait_budget: args.max_wait.0,
+        limits: args.read_limits(),
         mcp_server: args.mcp_server.clone(),
         tool_map: args.tool_map.clone(),
         envd_domain: args.envd_domain.clone(),
@@ -111,11 +114,13 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
 }
 
 async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
+    let sdks = SdkRun::of(&args)?;
     let selection = Selection {
         family: args.family.clone(),
         filters: args.filter.clone(),
         shard: args.shard,
         certify: args.certify,
+        journeys: sdks.is_some(),
     };
     // A key that cannot sign, a flag that does not fit the profile, and a catalog that does
     // not parse are usage errors found before anything starts.
@@ -130,7 +135,12 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     let mut plan = RunPlan::select(&catalog, &selection).map_err(RunError::Usage)?;
     let baseline = match &args.expected_failures {
         Some(file) => {
-            let ids: BTreeSet<&str> = catalog.iter().map(LoadedScenario::id).collect();
+            let judged_journeys = sdks.as_ref().map(SdkRun::judged_ids).unwrap_or_default();
+            let ids: BTreeSet<&str> = catalog
+                .iter()
+                .map(LoadedScenario::id)
+                .chain(judged_journeys.iter().map(String::as_str))
+                .collect();
             Some(Baseline::read(file, &ids).map_err(|e| RunError::Usage(e.to_string()))?)
         }
         None => None,
@@ -145,10 +155,12 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     // more; the receipt then says the run was interrupted and lists what never ran. A second
     // Ctrl-C aborts at once.
     let stop = Arc::new(AtomicBool::new(false));
+    let ctrl_c = Arc::new(AtomicBool::new(false));
     let watcher = tokio::spawn({
-        let stop = stop.clone();
+        let (stop, ctrl_c) = (stop.clone(), ctrl_c.clone());
         async move {
             if tokio::signal::ctrl_c().await.is_ok() {
+                ctrl_c.store(true, Ordering::SeqCst);
                 stop.store(true, Ordering::SeqCst);
                 eprintln!(
                     "interrupted: finishing the running scenarios and their cleanup; Ctrl-C again aborts"
@@ -158,6 +170,26 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 }
             }
         }
+    });
+    // The sandbox-seconds budget: once the run has held its sandboxes that long, no further
+    // scenario starts, as after a first Ctrl-C.
+    let budget_hit = Arc::new(AtomicBool::new(false));
+    let budget = args.max_sandbox_seconds.map(|limit| {
+        let (stop, hit, usage) = (stop.clone(), budget_hit.clone(), target.usage.clone());
+        tokio::spawn(async move {
+            loop {
+                if usage.sandbox_seconds() >= limit as f64 {
+                    hit.store(true, Ordering::SeqCst);
+                    stop.store(true, Ordering::SeqCst);
+                    eprintln!(
+                        "budget: the run has held its sandboxes for {limit} s (--max-sandbox-seconds): \
+                         no further scenario starts; the running ones finish and clean up"
+                    );
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })
     });
     let progress = Progress::new(plan.selected.len());
     let outcomes = run_until_stopped(
@@ -171,12 +203,15 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             retries: args.retries,
             stop: &stop,
             epoch: started,
+            max_sandboxes: args.max_sandboxes,
         },
         |s, r| progress.done(s, r),
     )
     .await;
     progress.finish();
-    let interrupted = stop.load(Ordering::SeqCst);
+    if let Some(budget) = budget {
+        budget.abort();
+    }
     let not_run: Vec<String> = plan
         .selected
         .iter()
@@ -184,6 +219,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .filter(|(_, r)| r.is_none())
         .map(|(s, _)| s.scenario.id.value.clone())
         .collect();
+    let by_user = ctrl_c.load(Ordering::SeqCst);
+    // The budget ended the run when it kept scenarios from starting.
+    let budget_ended = budget_hit.load(Ordering::SeqCst) && !not_run.is_empty() && !by_user;
+    let interrupted = by_user || budget_ended;
     let (selected, results): (Vec<LoadedScenario>, Vec<crate::engine::ScenarioRun>) = plan
         .selected
         .into_iter()
@@ -195,11 +234,24 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .iter()
         .flat_map(|r| r.secrets.iter().cloned())
         .collect();
-    let scenarios: Vec<ScenarioReport> = selected
+    let mut scenarios: Vec<ScenarioReport> = selected
         .iter()
         .zip(results)
         .map(|(s, r)| ScenarioReport::new(s, r))
         .collect();
+    let mut facts = plan.facts;
+    // The SDK matrix, after the scenarios and before the sweep, which finds what it left.
+    let sdk_matrix = match &sdks {
+        Some(sdks) if !interrupted => {
+            let matrix = sdks.run(&target, &run_id).await;
+            let judged = sdks.judged_scenarios(&matrix);
+            *facts.selected.entry(SDK_FAMILY.to_owned()).or_default() += judged.len();
+            *facts.catalog.entry(SDK_FAMILY.to_owned()).or_default() += judged.len();
+            scenarios.extend(judged);
+            Some(matrix)
+        }
+        _ => None,
+    };
     // Anything still tagged with this run's ID is a cleanup failure of the run. A sweep that
     // cannot finish is a harness error, reported after the evidence is written.
     let run_sweep = target
@@ -224,10 +276,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             i.list, i.principal, i.count
         );
     }
-    let mut facts = plan.facts;
     facts.never_ran = not_run.len();
     facts.left_behind = run_sweep.found.len();
     facts.sweep_error.clone_from(&run_sweep.error);
+    facts.budget_ended = budget_ended;
     let profiles = RunReport::judge(&scenarios, &facts);
     let report = RunReport {
         run_id,
@@ -254,6 +306,15 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         run_sweep,
         not_applicable: plan.not_applicable,
         operations: target.profile().operations(),
+        sdk_matrix,
+        // After the sweep, whose requests count too; what is still held counts up to now.
+        consumption: target.usage.consumption(
+            crate::target::AccountLimits {
+                max_sandboxes: args.max_sandboxes,
+                max_sandbox_seconds: args.max_sandbox_seconds,
+            },
+            budget_ended,
+        ),
     };
     let gate = baseline.map(|b| gate_of(&b, &report, &facts));
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
@@ -278,7 +339,134 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     );
     watcher.abort();
     written.map_err(RunError::Harness)?;
-    Ok(exit_code(&report, interrupted, &not_run, gate.as_ref()))
+    if budget_ended {
+        eprintln!(
+            "budget: --max-sandbox-seconds ended the run: {} scenario(s) never ran: {}",
+            not_run.len(),
+            not_run.join(" ")
+        );
+    }
+    Ok(exit_code(&report, by_user, &not_run, gate.as_ref()))
+}
+
+/// The SDK matrix a run was asked for (`--sdk`), with what its profile's journeys are.
+struct SdkRun {
+    journeys: &'static Journeys,
+    specs: Vec<SdkSpec>,
+    cache: PathBuf,
+}
+
+impl SdkRun {
+    /// The SDKs of `--sdk`, where given; a usage error for a profile without journeys, a
+    /// spec that is not one, or a sharded run's shards after the first (the first runs it).
+    fn of(args: &RunArgs) -> Result<Option<SdkRun>, RunError> {
+        if args.sdk.is_empty() {
+            return Ok(None);
+        }
+        let journeys = args.api.profile().sdk_journeys().ok_or_else(|| {
+            RunError::Usage(format!(
+                "--sdk: `--api {}` has no SDK journeys (`--api e2b` does)",
+                args.api.name()
+            ))
+        })?;
+        let specs = journeys.specs(&args.sdk).map_err(RunError::Usage)?;
+        if args.shard.is_some_and(|s| s.index != 1) {
+            return Ok(None);
+        }
+        let cache = match &args.sdk_cache {
+            Some(dir) => dir.clone(),
+            None => default_sdk_cache(),
+        };
+        Ok(Some(SdkRun {
+            journeys,
+            specs,
+            cache,
+        }))
+    }
+
+    /// The scenario IDs the judged journeys will have.
+    fn judged_ids(&self) -> Vec<String> {
+        crate::sdk::judged(&self.specs)
+            .into_iter()
+            .zip(&self.specs)
+            .filter(|(judged, _)| *judged)
+            .flat_map(|(_, spec)| {
+                self.journeys
+                    .journeys
+                    .iter()
+                    .map(|j| self.journeys.id(spec.language, j))
+            })
+            .collect()
+    }
+
+    async fn run(&self, target: &Target, run_id: &str) -> SdkMatrix {
+        let sdk_target = SdkTarget {
+            base_url: &target.base_url,
+            envd_domain: target.envd_domain.as_deref(),
+            api_key: &target.tokens.owner,
+            run_id,
+        };
+        target
+            .profile()
+            .sdk_matrix(sdk_target, target.client.clone(), &self.specs, &self.cache)
+            .await
+    }
+
+    /// The journeys of the judged SDKs, as scenarios of the run: a failure fails the clauses
+    /// the journey exercises.
+    fn judged_scenarios(&self, matrix: &SdkMatrix) -> Vec<ScenarioReport> {
+        let mut out = Vec::new();
+        for (spec, column) in self.specs.iter().zip(&matrix.sdks) {
+            if !column.judged {
+                continue;
+            }
+            for journey in self.journeys.journeys {
+                let Some(cell) = matrix.cell(journey.name, &column.sdk) else {
+                    continue;
+                };
+                let detail = cell.detail.clone().unwrap_or_default();
+                let outcome = match cell.outcome {
+                    CellOutcome::Pass => Outcome::Pass,
+                    CellOutcome::Fail => Outcome::Fail {
+                        step: format!("journey {} with {}", journey.name, column.sdk),
+                        reason: detail,
+                    },
+                    CellOutcome::Skip => Outcome::Skip { reason: detail },
+                    CellOutcome::Error => Outcome::Error { reason: detail },
+                };
+                out.push(ScenarioReport {
+                    id: self.journeys.id(spec.language, journey),
+                    title: format!("SDK journey: {} ({})", journey.title, column.sdk),
+                    family: SDK_FAMILY.to_owned(),
+                    file: format!("sdk journeys of {}", column.sdk),
+                    level: crate::scenario::Level::Must,
+                    clauses: journey.clauses.iter().map(|c| (*c).to_owned()).collect(),
+                    tags: vec!["sdk".to_owned()],
+                    defects: Vec::new(),
+                    outcome,
+                    started_ms: 0,
+                    duration_ms: cell.ms,
+                    attempts: 1,
+                    measurements: Default::default(),
+                    swept: Vec::new(),
+                    faults: Vec::new(),
+                    throttled: Default::default(),
+                    transcript: Vec::new(),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Where SDKs are installed without `--sdk-cache`: `$XDG_CACHE_HOME/sandspec/sdk`, else
+/// `~/.cache/sandspec/sdk`, else a folder of the system's temporary directory.
+fn default_sdk_cache() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("sandspec").join("sdk")
 }
 
 /// The gate of a finished run against its baseline, judged on the day the run ended.

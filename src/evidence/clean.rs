@@ -8,6 +8,7 @@ use super::sanitize::{REDACTED, Sanitizer};
 use crate::engine::{Body, Entry, Frame, HttpExchange, Note, Outcome, SseExchange};
 use crate::gate::{Baseline, Expected, Gate};
 use crate::report::{FamilyVerdict, RunReport, ScenarioReport, TargetInfo};
+use crate::sdk::{Cell, SdkMatrix};
 
 /// A copy of `report` with every string sanitized, for anything else that writes a report
 /// (a `report.json`, logs). Binary bodies holding a secret are dropped, as in a run folder.
@@ -93,6 +94,19 @@ impl<'a> Cleaner<'a> {
                 })
                 .collect(),
             operations: r.operations.clone(),
+            sdk_matrix: r.sdk_matrix.as_ref().map(|m| SdkMatrix {
+                sdks: m.sdks.clone(),
+                journeys: m.journeys.clone(),
+                cells: m
+                    .cells
+                    .iter()
+                    .map(|c| Cell {
+                        detail: c.detail.as_deref().map(|t| self.s(t)),
+                        ..c.clone()
+                    })
+                    .collect(),
+            }),
+            consumption: r.consumption.clone(),
         }
     }
 
@@ -146,6 +160,7 @@ impl<'a> Cleaner<'a> {
                 .map(|(k, v)| (self.s(k), *v))
                 .collect(),
             swept: s.swept.iter().map(|l| self.leftover(l)).collect(),
+            throttled: s.throttled,
             faults: s
                 .faults
                 .iter()

@@ -174,6 +174,7 @@ pub(crate) fn render(
             .iter()
             .map(|a| (a.scenario.clone(), a.path.clone(), a.step.clone()))
             .collect(),
+        sdk: r.sdk_matrix.as_ref().map(sdk_table),
     };
     Ok(page.render()?)
 }
@@ -241,6 +242,61 @@ struct Page<'a> {
     measurements: Vec<(String, String, String)>,
     swept: Vec<(String, String)>,
     absent: Vec<(String, String, String)>,
+    sdk: Option<SdkTable>,
+}
+
+/// The SDK matrix: one column per SDK, one row per journey.
+struct SdkTable {
+    columns: Vec<String>,
+    rows: Vec<SdkRow>,
+}
+
+struct SdkRow {
+    journey: String,
+    title: String,
+    /// (outcome class, label, detail) per SDK, in column order.
+    cells: Vec<(&'static str, &'static str, String)>,
+}
+
+fn sdk_table(m: &crate::sdk::SdkMatrix) -> SdkTable {
+    use crate::sdk::CellOutcome;
+    SdkTable {
+        columns: m
+            .sdks
+            .iter()
+            .map(|c| {
+                if c.judged {
+                    format!("{} (judges)", c.sdk)
+                } else {
+                    c.sdk.clone()
+                }
+            })
+            .collect(),
+        rows: m
+            .journeys
+            .iter()
+            .map(|row| SdkRow {
+                journey: row.journey.clone(),
+                title: row.title.clone(),
+                cells: m
+                    .sdks
+                    .iter()
+                    .map(|col| match m.cell(&row.journey, &col.sdk) {
+                        None => ("skip", "NOT RUN", String::new()),
+                        Some(c) => {
+                            let (class, label) = match c.outcome {
+                                CellOutcome::Pass => ("pass", "PASS"),
+                                CellOutcome::Skip => ("skip", "SKIP"),
+                                CellOutcome::Fail => ("fail", "FAIL"),
+                                CellOutcome::Error => ("error", "ERROR"),
+                            };
+                            (class, label, c.detail.clone().unwrap_or_default())
+                        }
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
 }
 
 const LEGEND: &[(&str, &str)] = &[
@@ -307,6 +363,8 @@ struct ScenarioRow {
     duration: String,
     clauses: String,
     transcript: Option<String>,
+    /// `throttled: 3 waits, 4.0 s` when it waited out throttling answers.
+    throttled: Option<String>,
 }
 
 struct ClauseRow {
@@ -436,6 +494,23 @@ fn notes(r: &Receipt) -> Vec<String> {
             gate.line()
         ));
     }
+    let c = &r.consumption;
+    notes.push(format!(
+        "Consumed: {} sandboxes (at most {} at once), {:.1} sandbox-seconds, {} sessions, {} requests, {} bytes received; {} throttle waits ({:.1} s).{}",
+        c.sandboxes_created,
+        c.peak_sandboxes,
+        c.sandbox_seconds,
+        c.sessions_created,
+        c.requests,
+        c.bytes_received,
+        c.throttles.waits,
+        c.throttles.waited_ms as f64 / 1000.0,
+        if c.budget_ended {
+            " The sandbox-seconds budget (--max-sandbox-seconds) ended the run."
+        } else {
+            ""
+        }
+    ));
     notes
 }
 
@@ -529,6 +604,13 @@ fn scenario_row(s: &ScenarioResult) -> ScenarioRow {
         duration: seconds(s.duration_ms),
         clauses: s.clauses.join(", "),
         transcript: s.transcript.as_ref().map(|t| t.path.clone()),
+        throttled: (s.throttled.waits > 0).then(|| {
+            format!(
+                "throttled: {} waits, {:.1} s",
+                s.throttled.waits,
+                s.throttled.waited_ms as f64 / 1000.0
+            )
+        }),
     }
 }
 

@@ -248,10 +248,12 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
         counts.positive_operations += c.positive_operations;
         counts.authentication_rejections += c.authentication_rejections;
     }
+    let consumption = crate::target::Consumption::of_shards(parts.iter().map(|r| &r.consumption));
     // The verdicts, judged again with the run's rules over every shard's scenarios.
     let mut facts = RunFacts {
         certify: selection.certify,
         never_ran: not_run.len(),
+        budget_ended: consumption.budget_ended,
         left_behind: cleanup
             .swept
             .iter()
@@ -358,8 +360,10 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
             .flat_map(|r| r.streams.iter().cloned())
             .collect(),
         cleanup,
+        consumption,
         environment: first.environment.clone(),
         sanitizer,
+        sdk_matrix: parts.iter().find_map(|r| r.sdk_matrix.clone()),
         merged_from,
         gate,
         operations: super::operations::OperationCoverage::merge(
@@ -463,6 +467,7 @@ fn junit_report(r: &Receipt) -> RunReport {
                 measurements: s.measurements.clone(),
                 swept: Vec::new(),
                 faults: s.faults.clone(),
+                throttled: s.throttled,
                 transcript: Vec::new(),
             })
             .collect(),
@@ -484,6 +489,8 @@ fn junit_report(r: &Receipt) -> RunReport {
         run_sweep: crate::live::RunSweep::default(),
         not_applicable: r.selection.not_applicable.clone(),
         operations: Vec::new(),
+        sdk_matrix: r.sdk_matrix.clone(),
+        consumption: r.consumption.clone(),
     }
 }
 

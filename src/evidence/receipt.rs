@@ -17,6 +17,7 @@ use super::placeholders::Placeholders;
 use crate::engine::{Entry, Frame, Outcome};
 use crate::gate::Gate;
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict};
+use crate::sdk::SdkMatrix;
 
 /// `_type` of an in-toto Statement v1.
 pub const STATEMENT_TYPE: &str = "https://in-toto.io/Statement/v1";
@@ -140,8 +141,14 @@ pub struct Receipt {
     pub measurements: Vec<Measurement>,
     pub streams: Vec<StreamTiming>,
     pub cleanup: Cleanup,
+    /// What the run consumed of the target's account, and the limits it was given.
+    pub consumption: crate::target::Consumption,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
+    /// The SDK version matrix (`--sdk`): every journey with every SDK, the judged ones also
+    /// among `scenarios`. Absent without `--sdk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sdk_matrix: Option<SdkMatrix>,
     /// The shards this folder was merged from (`sandspec evidence merge`), in shard order;
     /// empty for a folder a run wrote.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -283,6 +290,8 @@ pub struct ScenarioResult {
     /// The faults the scenario injected (server processes killed and restarted, the
     /// database stopped and started), each with its time and the steps checked after it.
     pub faults: Vec<crate::engine::FaultRecord>,
+    /// The throttling answers (429, or 503 with `Retry-After`) it waited out.
+    pub throttled: crate::engine::Throttled,
     /// The transcript file and its digest; `null` when nothing was sent (a skip).
     pub transcript: Option<FileRef>,
 }
@@ -681,8 +690,10 @@ impl Statement {
                 measurements,
                 streams,
                 cleanup,
+                consumption: report.consumption.clone(),
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
+                sdk_matrix: report.sdk_matrix.clone(),
                 merged_from: Vec::new(),
                 gate: input.gate.clone(),
                 operations: super::operations::OperationCoverage::of(
@@ -718,6 +729,7 @@ fn scenario_result(s: &ScenarioReport, transcript: Option<FileRef>) -> ScenarioR
             .map(|(k, v)| (k.clone(), *v))
             .collect(),
         faults: s.faults.clone(),
+        throttled: s.throttled,
         transcript,
     }
 }

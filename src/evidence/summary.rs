@@ -27,9 +27,14 @@ pub(crate) fn render(statement: &Statement) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# sandspec run `{}`\n", r.run_id);
     if r.interrupted {
+        let why = if r.consumption.budget_ended {
+            "Its sandbox-seconds budget (--max-sandbox-seconds) ended the run"
+        } else {
+            "The run was stopped"
+        };
         let _ = writeln!(
             md,
-            "> **Interrupted.** The run was stopped before every selected scenario ran; {} never ran: {}.\n",
+            "> **Interrupted.** {why} before every selected scenario ran; {} never ran: {}.\n",
             r.not_run.len(),
             if r.not_run.is_empty() {
                 "none".to_owned()
@@ -195,6 +200,8 @@ pub(crate) fn render(statement: &Statement) -> String {
         c.authentication_rejections
     );
 
+    consumption(&mut md, &r.consumption);
+
     let failures: Vec<_> = r
         .scenarios
         .iter()
@@ -250,17 +257,29 @@ pub(crate) fn render(statement: &Statement) -> String {
 
     md.push_str("\n## Scenarios\n\n| ID | level | outcome | ms | attempts | clauses | title |\n|---|---|---|---:|---:|---|---|\n");
     for s in &r.scenarios {
+        let outcome = match s.throttled.waits {
+            0 => label(s.outcome).to_owned(),
+            n => format!(
+                "{} (throttled: {n} waits, {:.1} s)",
+                label(s.outcome),
+                s.throttled.waited_ms as f64 / 1000.0
+            ),
+        };
         let _ = writeln!(
             md,
             "| `{}` | {} | {} | {} | {} | {} | {} |",
             s.id,
             s.level,
-            label(s.outcome),
+            outcome,
             s.duration_ms,
             s.attempts,
             cell(&s.clauses.join(", ")),
             cell(&s.title)
         );
+    }
+
+    if let Some(m) = &r.sdk_matrix {
+        sdk_matrix(&mut md, m);
     }
 
     coverage(&mut md, statement);
@@ -352,8 +371,96 @@ pub(crate) fn render(statement: &Statement) -> String {
     md
 }
 
+/// What the run consumed of the target's account, and the limits it was given.
+fn consumption(md: &mut String, c: &crate::target::Consumption) {
+    let limit = |v: Option<u64>| v.map_or_else(|| "none".to_owned(), |v| v.to_string());
+    let by_status: Vec<String> = c
+        .throttles
+        .by_status
+        .iter()
+        .map(|(status, n)| format!("{n}× {status}"))
+        .collect();
+    md.push_str("\n## Consumption\n\n| sandboxes created | sessions created | most held at once | sandbox-seconds | requests | bytes sent | bytes received | throttle waits | waited |\n");
+    md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let _ = writeln!(
+        md,
+        "| {} | {} | {} | {:.1} | {} | {} | {} | {}{} | {:.1} s |",
+        c.sandboxes_created,
+        c.sessions_created,
+        c.peak_sandboxes,
+        c.sandbox_seconds,
+        c.requests,
+        c.bytes_sent,
+        c.bytes_received,
+        c.throttles.waits,
+        if by_status.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", by_status.join(", "))
+        },
+        c.throttles.waited_ms as f64 / 1000.0
+    );
+    let _ = writeln!(
+        md,
+        "\nAccount limits: --max-sandboxes {}, --max-sandbox-seconds {}{}.",
+        limit(c.limits.max_sandboxes),
+        limit(c.limits.max_sandbox_seconds),
+        if c.budget_ended {
+            "; the sandbox-seconds budget ended the run"
+        } else {
+            ""
+        }
+    );
+}
+
 /// The clause coverage table: every MUST clause with the scenarios citing it and their
 /// outcomes, then the clauses nothing in the run judged.
+/// The SDK matrix: a row per journey, a column per SDK, and what each cell that did not pass
+/// said.
+fn sdk_matrix(md: &mut String, m: &crate::sdk::SdkMatrix) {
+    use crate::sdk::CellOutcome;
+    let _ = writeln!(
+        md,
+        "\n## SDK matrix\n\nEach journey drives the target through a real SDK at a pinned version; the newest release of each language judges the target (its journeys are the `E2B-SDK-…` scenarios above).\n"
+    );
+    md.push_str("| journey |");
+    for c in &m.sdks {
+        let judged = if c.judged { " (judges)" } else { "" };
+        let _ = write!(md, " `{}`{judged} |", cell(&c.sdk));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---|".repeat(m.sdks.len()));
+    md.push('\n');
+    let mut notes = Vec::new();
+    for row in &m.journeys {
+        let _ = write!(md, "| `{}` {} |", row.journey, cell(&row.title));
+        for col in &m.sdks {
+            let shown = match m.cell(&row.journey, &col.sdk) {
+                None => "not run",
+                Some(c) => {
+                    if let Some(d) = &c.detail {
+                        notes.push(format!("`{}` with `{}`: {}", row.journey, col.sdk, d));
+                    }
+                    match c.outcome {
+                        CellOutcome::Pass => "PASS",
+                        CellOutcome::Skip => "SKIP",
+                        CellOutcome::Fail => "FAIL",
+                        CellOutcome::Error => "ERROR",
+                    }
+                }
+            };
+            let _ = write!(md, " {shown} |");
+        }
+        md.push('\n');
+    }
+    if !notes.is_empty() {
+        md.push('\n');
+        for n in notes {
+            let _ = writeln!(md, "- {}", cell(&n));
+        }
+    }
+}
+
 fn coverage(md: &mut String, statement: &Statement) {
     let r = &statement.predicate;
     let c = &r.coverage;

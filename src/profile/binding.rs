@@ -14,6 +14,7 @@ use super::api::Api;
 use super::clauses::ClauseTable;
 use crate::live::{RunSweep, Swept};
 use crate::mcp::McpServer;
+use crate::sdk::{Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Capabilities, Conn, Service, TargetError, Tokens};
 
 /// A protocol profile (`--api`).
@@ -77,6 +78,12 @@ pub trait Profile: Send + Sync {
     /// answered `status` with the JSON `body`. The scenario's leak check confirms each is gone.
     fn created(&self, method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation>;
 
+    /// Whether `method path` (as a scenario writes it, before its variables are rendered)
+    /// may create a sandbox: what `--max-sandboxes` counts of a scenario before it runs.
+    fn creates_sandbox(&self, _method: &str, _path: &str) -> bool {
+        false
+    }
+
     /// The end-of-run sweep: for every principal, the objects whose own record carries
     /// `metadata.sandspec_run = run_id`, each removed and confirmed gone.
     fn sweep_run<'a>(
@@ -101,6 +108,24 @@ pub trait Profile: Send + Sync {
     /// where the profile lists none.
     fn operations(&self) -> Vec<super::operations::Operation> {
         Vec::new()
+    }
+
+    /// The profile's SDK journeys (`--sdk`), where its protocol has client SDKs to judge a
+    /// target by.
+    fn sdk_journeys(&self) -> Option<&'static Journeys> {
+        None
+    }
+
+    /// Runs the SDK matrix of `specs` against `target` (reached with `client`), the SDKs
+    /// installed into `cache`; an empty matrix where the profile has no SDK journeys.
+    fn sdk_matrix<'a>(
+        &'a self,
+        _target: SdkTarget<'a>,
+        _client: reqwest::Client,
+        _specs: &'a [SdkSpec],
+        _cache: &'a std::path::Path,
+    ) -> BoxFuture<'a, SdkMatrix> {
+        Box::pin(async { SdkMatrix::default() })
     }
 
     /// The MUST clauses `sandspec list` measures its selection's coverage against, with the

@@ -41,6 +41,7 @@ pub struct ConnectError {
 pub enum Code {
     Canceled,
     InvalidArgument,
+    DeadlineExceeded,
     NotFound,
     AlreadyExists,
     PermissionDenied,
@@ -57,6 +58,7 @@ impl Code {
         match self {
             Code::Canceled => "canceled",
             Code::InvalidArgument => "invalid_argument",
+            Code::DeadlineExceeded => "deadline_exceeded",
             Code::NotFound => "not_found",
             Code::AlreadyExists => "already_exists",
             Code::PermissionDenied => "permission_denied",
@@ -75,6 +77,7 @@ impl Code {
             Code::Canceled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
             Code::NotFound => StatusCode::NOT_FOUND,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             Code::AlreadyExists => StatusCode::CONFLICT,
             Code::PermissionDenied => StatusCode::FORBIDDEN,
             Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
@@ -389,7 +392,10 @@ pub fn unary_response<T: Serialize>(message: &T) -> Response {
     response
 }
 
-/// The sending half of a server stream: messages, then [`StreamSender::finish`].
+/// The sending half of a server stream: messages, then [`StreamSender::finish`]. A clone
+/// keeps the stream open; the stream ends when its end-of-stream message is sent or every
+/// clone is dropped.
+#[derive(Clone)]
 pub struct StreamSender {
     tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
 }
@@ -451,6 +457,23 @@ pub fn keepalive_interval(headers: &HeaderMap) -> Option<Duration> {
         .and_then(|v| v.trim().parse::<u64>().ok())
         .filter(|s| *s > 0)
         .map(Duration::from_secs)
+}
+
+/// The request's deadline, `Connect-Timeout-Ms` (the Connect protocol's timeout header,
+/// which the SDKs send for a command's `timeout`): `None` without it or at 0, which envd
+/// takes as no deadline; anything but a number of milliseconds is `invalid_argument`.
+pub fn request_timeout(headers: &HeaderMap) -> Result<Option<Duration>, ConnectError> {
+    let Some(value) = headers.get("connect-timeout-ms") else {
+        return Ok(None);
+    };
+    let ms: u64 = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| {
+            ConnectError::invalid("connect-timeout-ms must be a number of milliseconds")
+        })?;
+    Ok((ms > 0).then(|| Duration::from_millis(ms)))
 }
 
 /// Protobuf JSON `bytes`: standard base64 with padding out, either alphabet in.

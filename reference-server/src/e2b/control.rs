@@ -288,13 +288,25 @@ pub fn e2b_state_name(sandbox: &Sandbox) -> &'static str {
     }
 }
 
-/// The `domain` of a sandbox: the host this server was reached at, where envd is served too.
-fn domain(headers: &HeaderMap, state: &AppState) -> String {
-    headers
+/// The `domain` of a sandbox: the domain of the host this server was reached at, where envd is
+/// served too, without E2B's `api.` label (the control plane is `api.<domain>` and a sandbox's
+/// port `<port>-<id>.<domain>`). Null when the server was reached at an IP address, under
+/// which no host name can be formed: the SDK then keeps the domain it was configured with.
+fn domain(headers: &HeaderMap, state: &AppState) -> Value {
+    let host = headers
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .unwrap_or_else(|| state.local_addr.to_string())
+        .unwrap_or_else(|| state.local_addr.to_string());
+    let name = host
+        .rsplit_once(':')
+        .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(host.as_str(), |(name, _)| name);
+    let literal = name.starts_with('[') || name.parse::<std::net::IpAddr>().is_ok();
+    if literal {
+        return Value::Null;
+    }
+    Value::String(host.strip_prefix("api.").unwrap_or(&host).to_owned())
 }
 
 /// What a sandbox here can honour of an egress configuration. Its network namespace has only
@@ -412,7 +424,7 @@ fn listed_view(
         "metadata": sandbox.metadata,
     });
     if let Some(headers) = detail {
-        out["domain"] = Value::String(domain(headers, state));
+        out["domain"] = domain(headers, state);
         out["lifecycle"] = json!({
             "autoResume": false,
             "onTimeout": match sandbox.on_timeout {
@@ -596,7 +608,7 @@ async fn create(
     state: AppState,
     team: Team,
     headers: HeaderMap,
-    req: NewSandbox,
+    mut req: NewSandbox,
     secure: bool,
     default_timeout: u64,
 ) -> Result<Created, E2bError> {
@@ -620,6 +632,12 @@ async fn create(
         }
     };
     req.refuse_unsupported()?;
+    // `allow_internet_access: true` at create is E2B's default, which the 1.x SDKs send on
+    // every create: it is taken as the default is (no sandbox here reaches outside either
+    // way). Asked for in a network update it would lift a denial, and is refused there.
+    if req.allow_internet_access == Some(true) {
+        req.allow_internet_access = None;
+    }
     let network = honourable_network(&state, req.allow_internet_access, req.network.as_ref())?;
     let timeout_s = parse_timeout(&state, req.timeout, default_timeout)?;
     let metadata = req.metadata.clone().unwrap_or_default();
@@ -974,7 +992,9 @@ pub async fn kill(
     Path(id): Path<String>,
 ) -> Result<Response, E2bError> {
     let rec = owned(&state, &team, &id).await?;
-    destroy(&state, &rec).await?;
+    if !state.config.defects.has(Defect::E2bKillKeepsSandbox) {
+        destroy(&state, &rec).await?;
+    }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

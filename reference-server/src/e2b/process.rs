@@ -376,19 +376,41 @@ pub async fn start(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    match start_process(&state, &sbx, &headers, &body).await {
+    let deadline = match connect::request_timeout(&headers) {
+        Ok(_) if state.config.defects.has(Defect::E2bRequestTimeoutIgnored) => None,
+        Ok(d) => d,
+        Err(e) => return connect::stream_error(e),
+    };
+    match start_process(&state, &sbx, &headers, &body, deadline).await {
         Err(e) => connect::stream_error(e),
         Ok((rec, pid)) => {
             let (response, sender) = connect::stream_response();
-            let keepalive = connect::keepalive_interval(&headers);
+            let keepalive = connect::keepalive_interval(&headers)
+                .filter(|_| !state.config.defects.has(Defect::E2bKeepaliveIgnored));
             let pty = e2b_process(&rec).is_some_and(|p| p.pty);
             let sandbox = (sbx.provider.clone(), sbx.local.clone());
             tokio::spawn(async move {
-                if sender
+                if !sender
                     .send(&json!({"event": {"start": {"pid": pid}}}))
                     .await
                 {
-                    pump(state, sender, sandbox, rec.id, 0, keepalive, pty).await;
+                    return;
+                }
+                let pumped = pump(state, sender.clone(), sandbox, rec.id, 0, keepalive, pty);
+                // As envd: past the request's deadline the stream ends with
+                // `deadline_exceeded` (the process, given the same deadline, is killed).
+                match deadline {
+                    None => pumped.await,
+                    Some(limit) => {
+                        if tokio::time::timeout(limit, pumped).await.is_err() {
+                            sender
+                                .finish(Some(ConnectError::new(
+                                    Code::DeadlineExceeded,
+                                    "the request's deadline passed",
+                                )))
+                                .await;
+                        }
+                    }
                 }
             });
             response
@@ -401,6 +423,7 @@ async fn start_process(
     sbx: &EnvdSandbox,
     headers: &HeaderMap,
     body: &Bytes,
+    deadline: Option<Duration>,
 ) -> Result<(Record, u32), ConnectError> {
     let req: StartRequest = connect::stream_request(headers, body)?;
     let terminal = req.pty.as_ref().map(Pty::size).transpose()?;
@@ -436,7 +459,9 @@ async fn start_process(
         cwd,
         env: config.envs.clone(),
         stdin: req.stdin.unwrap_or(false),
-        timeout_ms: None,
+        timeout_ms: deadline
+            .filter(|_| !state.config.defects.has(Defect::E2bTimeoutLeavesProcess))
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         tag: req.tag.clone(),
     };
     let sandbox_env = if state.config.defects.has(Defect::E2bEnvVarsDropped) {
@@ -558,7 +583,8 @@ pub async fn connect_process(
         Err(e) => return connect::stream_error(e),
     };
     let (response, sender) = connect::stream_response();
-    let keepalive = connect::keepalive_interval(&headers);
+    let keepalive = connect::keepalive_interval(&headers)
+        .filter(|_| !state.config.defects.has(Defect::E2bKeepaliveIgnored));
     let loses_exit = state.config.defects.has(Defect::E2bLateConnectLosesExit);
     let sandbox = (sbx.provider.clone(), sbx.local.clone());
     tokio::spawn(async move {
@@ -731,6 +757,8 @@ pub async fn stream_input(
             .process;
         let rec = running(&state, &sbx, selector).await?;
         let on_terminal = e2b_process(&rec).is_some_and(|p| p.pty);
+        let drops = state.config.defects.has(Defect::E2bStreamInputDropsData);
+        let mut written = 0usize;
         while let Some(message) = stream.next::<StreamInputRequest>().await? {
             let _ = message.keepalive;
             if message.start.is_some() {
@@ -739,6 +767,10 @@ pub async fn stream_input(
             let Some(input) = message.data.and_then(|d| d.input) else {
                 continue;
             };
+            written += 1;
+            if drops && written > 1 {
+                continue;
+            }
             match (input.stdin, input.pty, on_terminal) {
                 (Some(stdin), None, false) => sbx
                     .provider

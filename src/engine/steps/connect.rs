@@ -17,13 +17,14 @@ use serde::Deserialize;
 use super::kind::{StepKind, secs};
 
 use crate::connect::{self, Item};
-use crate::engine::context::{CANARY_HEADER, Ctx, StepError, exchange, ms};
+use crate::engine::context::{CANARY_HEADER, Ctx, Failed, StepError, exchange, ms};
 use crate::engine::expect::{Observed, json_check};
 use crate::engine::transcript::{Body, Credential, Entry, HttpExchange, record_headers};
 use crate::profile::e2b::envd_route;
 use crate::scenario::{
     Capture, CheckCtx, Checker, JsonCheck, Located, NumExpr, Pos, Scope, Template, present,
 };
+use crate::target::{BoundedBody, ReadError, ReadLimits};
 
 /// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or
 /// a server stream read to its end-of-stream message.
@@ -42,9 +43,17 @@ pub struct Connect {
     /// The request message; `{}` when absent.
     #[serde(default, deserialize_with = "present")]
     pub message: Option<Located<serde_json::Value>>,
+    /// A client stream's messages (`process.Process/StreamInput`), sent as envelopes in
+    /// order in one request body; instead of `message`, with `stream: true`.
+    #[serde(default)]
+    pub messages: Option<Located<Vec<serde_json::Value>>>,
     /// The sandbox's envd access token (`X-Access-Token`), for a secure sandbox.
     #[serde(default)]
     pub access_token: Option<Template>,
+    /// More request headers, as an SDK sends them (`Connect-Timeout-Ms` for a command's
+    /// timeout, `Keepalive-Ping-Interval`). The protocol's own headers are the step's.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Template>,
     /// How long the whole call (a stream: to its end) may take; the request timeout when
     /// absent.
     #[serde(default)]
@@ -65,6 +74,23 @@ pub struct Connect {
     /// pointer resolves in (a stream).
     #[serde(default)]
     pub capture: BTreeMap<String, Located<Capture>>,
+    /// Checks on a stream's output as a whole: the protobuf `bytes` (base64) at `pointer` in
+    /// every message that has one, decoded and joined in order, as an SDK joins a process's
+    /// output (which can arrive in any chunks).
+    #[serde(default)]
+    pub output: Vec<OutputCheck>,
+}
+
+/// A check on a stream's joined output: it `contains` or `equals` a text.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputCheck {
+    /// Where each message carries its bytes, e.g. `/event/data/stdout`.
+    pub pointer: Located<String>,
+    #[serde(default)]
+    pub contains: Option<Template>,
+    #[serde(default)]
+    pub equals: Option<Template>,
 }
 
 impl StepKind for Connect {
@@ -81,6 +107,24 @@ impl StepKind for Connect {
         }
         if let Some(n) = &self.within_s {
             c.num(n, scope, ctx);
+        }
+        for (name, value) in &self.headers {
+            c.template(value, scope, ctx);
+            let own = [
+                "content-type",
+                "connect-protocol-version",
+                "x-access-token",
+                "e2b-sandbox-id",
+                "e2b-sandbox-port",
+            ];
+            if own.contains(&name.to_ascii_lowercase().as_str()) {
+                c.err(
+                    value.pos,
+                    format!("`{name}` is the step's own header: give it with the step's fields"),
+                );
+            } else if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                c.err(value.pos, format!("`{name}` is not a header name"));
+            }
         }
         let rpc_re = Regex::new(
             r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.[A-Z][A-Za-z0-9]*/[A-Z][A-Za-z0-9]*$",
@@ -113,6 +157,39 @@ impl StepKind for Connect {
         for check in &self.until {
             c.json_check(check, scope, ctx);
         }
+        if let Some(messages) = &self.messages {
+            if self.message.is_some() {
+                c.err(
+                    Pos::of(messages),
+                    "give `message` (one) or `messages` (a client stream), not both",
+                );
+            }
+            if !self.stream {
+                c.err(
+                    Pos::of(messages),
+                    "`messages` is a client stream: it needs `stream: true`",
+                );
+            }
+            if messages.value.is_empty() {
+                c.err(Pos::of(messages), "`messages` needs at least one message");
+            }
+        }
+        for check in &self.output {
+            let pos = Pos::of(&check.pointer);
+            if !self.stream || !self.until.is_empty() {
+                c.err(
+                    pos,
+                    "`output` joins a whole stream: it needs `stream: true` without `until`",
+                );
+            }
+            if !check.pointer.value.starts_with('/') {
+                c.err(pos, "`output` pointer must start with `/`");
+            }
+            match (&check.contains, &check.equals) {
+                (Some(t), None) | (None, Some(t)) => c.template(t, scope, ctx),
+                _ => c.err(pos, "an `output` check takes one of `contains` or `equals`"),
+            }
+        }
         for (name, cap) in &self.capture {
             if cap.value.json.is_none()
                 || cap.value.header.is_some()
@@ -141,6 +218,16 @@ impl StepKind for Connect {
         self.error.is_none()
     }
 
+    /// A Connect error the step expects has its HTTP status: `resource_exhausted` is a 429,
+    /// `unavailable` a 503.
+    fn names_statuses(&self) -> Vec<u16> {
+        match self.error.as_deref() {
+            Some("resource_exhausted") => vec![429],
+            Some("unavailable") => vec![503],
+            _ => Vec::new(),
+        }
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.connect(self, label).await
     }
@@ -149,14 +236,24 @@ impl StepKind for Connect {
 impl Ctx<'_> {
     async fn connect(&mut self, c: &Connect, label: &str) -> Result<(), StepError> {
         let sandbox = self.vars.render(&c.sandbox)?;
-        let message = match &c.message {
-            Some(m) => self.vars.render_json(&m.value)?,
-            None => Value::Object(Default::default()),
+        let messages = match (&c.messages, &c.message) {
+            (Some(list), _) => list
+                .value
+                .iter()
+                .map(|m| self.vars.render_json(m))
+                .collect::<Result<Vec<_>, _>>()?,
+            (None, Some(m)) => vec![self.vars.render_json(&m.value)?],
+            (None, None) => vec![Value::Object(Default::default())],
         };
-        let json = serde_json::to_vec(&message).expect("JSON values serialize");
         let (body, content_type) = if c.stream {
-            (connect::envelope(0, &json), "application/connect+json")
+            let mut body = Vec::new();
+            for m in &messages {
+                let json = serde_json::to_vec(m).expect("JSON values serialize");
+                body.extend(connect::envelope(0, &json));
+            }
+            (body, "application/connect+json")
         } else {
+            let json = serde_json::to_vec(&messages[0]).expect("JSON values serialize");
             (json, "application/json")
         };
         let mut headers = vec![
@@ -174,77 +271,105 @@ impl Ctx<'_> {
         if let Some(t) = &c.access_token {
             headers.push(("X-Access-Token".to_owned(), self.vars.render(t)?));
         }
+        for (name, value) in &c.headers {
+            headers.push((name.clone(), self.vars.render(value)?));
+        }
         let limit = match &c.within_s {
             Some(n) => Duration::from_secs(u64::try_from(self.vars.num(n)?).unwrap_or(0)),
             None => self.target.request_timeout,
         };
-        let mut builder = self.target.client.post(&url).body(body.clone());
-        for (k, v) in &headers {
-            builder = builder.header(k.as_str(), v.as_str());
-        }
-        let at_ms = self.at();
-        let sent = Instant::now();
-        let reading = async {
-            if c.stream && !c.until.is_empty() {
-                read_until(builder, limit, &c.until, &self.vars).await
-            } else {
-                exchange(builder, limit).await.map(|o| (o, false))
+        let what = format!("POST /{}", c.rpc.value);
+        let mut attempt = 1;
+        let (obs, stopped) = loop {
+            let mut builder = self.target.client.post(&url).body(body.clone());
+            for (k, v) in &headers {
+                builder = builder.header(k.as_str(), v.as_str());
             }
-        };
-        let (result, stopped) = match tokio::time::timeout(limit, reading).await {
-            Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
-            Ok(Err(e)) => (Err(e), false),
-            Err(_) if !c.until.is_empty() => (
-                Err((
-                    format!(
-                        "no message held `until` within {}s, and the stream did not end",
-                        limit.as_secs()
-                    ),
-                    false,
-                )),
-                false,
-            ),
-            Err(_) => (
-                Err((
-                    format!("the call did not complete within {}s", limit.as_secs()),
-                    false,
-                )),
-                false,
-            ),
-        };
-        let mut record = HttpExchange {
-            step: label.to_owned(),
-            at_ms,
-            credential: Credential::None,
-            method: "POST".to_owned(),
-            target: url
-                .strip_prefix(&self.target.base_url)
-                .unwrap_or(&url)
-                .to_owned(),
-            request_headers: headers,
-            request_body: Some(Body::of(&body)),
-            status: None,
-            response_headers: Vec::new(),
-            response_body: None,
-            duration_ms: ms(sent.elapsed()),
-            error: None,
-        };
-        let obs = match result {
-            Ok(obs) => obs,
-            Err((reason, connect)) => {
-                record.error = Some(reason.clone());
-                self.transcript.push(Entry::Http(record));
-                return Err(if connect {
-                    StepError::Error(reason)
+            let at_ms = self.at();
+            let sent = Instant::now();
+            self.target.usage.sent(body.len() as u64);
+            let reading = async {
+                if c.stream && !c.until.is_empty() {
+                    read_until(builder, limit, self.target.limits, &c.until, &self.vars).await
                 } else {
-                    StepError::Fail(format!("no response: {reason}"))
-                });
+                    exchange(builder, limit, self.target.limits)
+                        .await
+                        .map(|o| (o, false))
+                }
+            };
+            let (result, stopped) = match tokio::time::timeout(limit, reading).await {
+                Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
+                Ok(Err(e)) => (Err(e), false),
+                Err(_) if !c.until.is_empty() => (
+                    Err(Failed {
+                        reason: format!(
+                            "no message held `until` within {}s, and the stream did not end",
+                            limit.as_secs()
+                        ),
+                        connect: false,
+                        head: None,
+                    }),
+                    false,
+                ),
+                Err(_) => (
+                    Err(Failed {
+                        reason: format!("the call did not complete within {}s", limit.as_secs()),
+                        connect: false,
+                        head: None,
+                    }),
+                    false,
+                ),
+            };
+            let mut record = HttpExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: Credential::None,
+                method: "POST".to_owned(),
+                target: url
+                    .strip_prefix(&self.target.base_url)
+                    .unwrap_or(&url)
+                    .to_owned(),
+                request_headers: headers.clone(),
+                request_body: Some(Body::of(&body)),
+                status: None,
+                response_headers: Vec::new(),
+                response_body: None,
+                duration_ms: ms(sent.elapsed()),
+                error: None,
+            };
+            let obs = match result {
+                Ok(obs) => obs,
+                Err(failed) => {
+                    let reason = failed.reason;
+                    record.error = Some(reason.clone());
+                    if let Some((status, headers)) = &failed.head {
+                        record.status = Some(*status);
+                        record.response_headers = record_headers(headers);
+                    }
+                    self.transcript.push(Entry::Http(record));
+                    return Err(if failed.connect {
+                        StepError::Error(reason)
+                    } else if let Some((status, _)) = failed.head {
+                        StepError::Fail(format!("status {status}, but {reason}"))
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            };
+            self.target.usage.received(obs.body.len() as u64);
+            record.status = Some(obs.status);
+            record.response_headers = record_headers(&obs.headers);
+            record.response_body = Some(Body::of(&obs.body));
+            self.transcript.push(Entry::Http(record));
+            match self
+                .wait_out(label, &what, obs.status, &obs.headers, attempt)
+                .await
+            {
+                Ok(true) => attempt += 1,
+                Ok(false) => break (obs, stopped),
+                Err(reason) => return Err(StepError::Error(reason)),
             }
         };
-        record.status = Some(obs.status);
-        record.response_headers = record_headers(&obs.headers);
-        record.response_body = Some(Body::of(&obs.body));
-        self.transcript.push(Entry::Http(record));
         let messages = if !c.until.is_empty() {
             Some(self.judge_until(&obs, stopped)?)
         } else if c.stream {
@@ -275,6 +400,13 @@ impl Ctx<'_> {
                 });
             }
         }
+        for check in &c.output {
+            match self.output_check(check, &messages) {
+                Ok(()) => {}
+                Err(StepError::Fail(why)) => failures.push(why),
+                Err(other) => return Err(other),
+            }
+        }
         if !failures.is_empty() {
             return Err(StepError::Fail(failures.join("; ")));
         }
@@ -290,6 +422,59 @@ impl Ctx<'_> {
                 self.secrets.push(crate::engine::vars::scalar_text(&value));
             }
             self.vars.captures.insert(name.clone(), value);
+        }
+        Ok(())
+    }
+
+    /// One `output` check over a stream's messages.
+    fn output_check(&self, check: &OutputCheck, messages: &[Value]) -> Result<(), StepError> {
+        use base64::Engine as _;
+        let pointer = &check.pointer.value;
+        let mut joined = Vec::new();
+        for (i, m) in messages.iter().enumerate() {
+            let Some(value) = m.pointer(pointer) else {
+                continue;
+            };
+            let text = value.as_str().ok_or_else(|| {
+                StepError::Fail(format!(
+                    "message {i}: {pointer} is not base64 bytes: {value}"
+                ))
+            })?;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(text)
+                .map_err(|e| {
+                    StepError::Fail(format!("message {i}: {pointer} is not base64: {e}"))
+                })?;
+            joined.extend(bytes);
+        }
+        let joined = String::from_utf8_lossy(&joined);
+        let shown = || {
+            let mut s: String = joined.chars().take(300).collect();
+            if joined.chars().count() > 300 {
+                s.push('…');
+            }
+            format!("{s:?}")
+        };
+        match (&check.contains, &check.equals) {
+            (Some(t), _) => {
+                let want = self.vars.render(t)?;
+                if !joined.contains(&want) {
+                    return Err(StepError::Fail(format!(
+                        "the output at {pointer} does not contain {want:?}: {}",
+                        shown()
+                    )));
+                }
+            }
+            (None, Some(t)) => {
+                let want = self.vars.render(t)?;
+                if joined != want {
+                    return Err(StepError::Fail(format!(
+                        "the output at {pointer} is {}, expected {want:?}",
+                        shown()
+                    )));
+                }
+            }
+            (None, None) => {}
         }
         Ok(())
     }
@@ -445,40 +630,48 @@ impl Ctx<'_> {
 async fn read_until(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     until: &[crate::scenario::JsonCheck],
     vars: &crate::engine::vars::Vars<'_>,
-) -> Result<(Observed, bool), (String, bool)> {
+) -> Result<(Observed, bool), Failed> {
     let secs = limit.as_secs_f64();
-    let mut response = match builder.timeout(limit).send().await {
+    let response = match builder.timeout(limit).send().await {
         Ok(r) => r,
         Err(e) => {
-            return Err((crate::target::describe_reqwest(&e), e.is_connect()));
+            return Err(Failed {
+                reason: crate::target::describe_reqwest(&e),
+                connect: e.is_connect(),
+                head: None,
+            });
         }
     };
     let status = response.status().as_u16();
     let headers = response.headers().clone();
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
     let streamed = status == 200
         && headers
             .get(reqwest::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|ct| ct.starts_with("application/connect+json"));
+    let mut reader = BoundedBody::new(response, limits).map_err(|t| failed(t.to_string()))?;
     let mut parser = connect::Parser::new();
     let mut body = Vec::new();
     let mut stopped = false;
     loop {
-        let chunk = match response.chunk().await {
-            Ok(Some(chunk)) => chunk,
-            Ok(None) => break,
-            Err(e) if e.is_timeout() => {
-                return Err((
-                    format!(
-                        "the stream stalled after {} bytes within {secs}s",
-                        body.len()
-                    ),
-                    false,
-                ));
+        let chunk = match reader.next().await {
+            Some(Ok(chunk)) => chunk,
+            None => break,
+            Some(Err(ReadError::Transport(e))) if e.is_timeout() => {
+                return Err(failed(format!(
+                    "the stream stalled after {} bytes within {secs}s",
+                    body.len()
+                )));
             }
-            Err(e) => return Err((crate::target::describe_reqwest(&e), false)),
+            Some(Err(e)) => return Err(failed(e.to_string())),
         };
         body.extend_from_slice(&chunk);
         if !streamed {
@@ -493,7 +686,7 @@ async fn read_until(
             break;
         }
     }
-    drop(response);
+    drop(reader);
     Ok((
         Observed {
             status,
@@ -563,9 +756,15 @@ mod tests {
             .unwrap()
             .post(url)
             .body("x");
-        read_until(builder, Duration::from_secs(30), checks, &vars)
-            .await
-            .unwrap()
+        read_until(
+            builder,
+            Duration::from_secs(30),
+            ReadLimits::default(),
+            checks,
+            &vars,
+        )
+        .await
+        .unwrap()
     }
 
     #[tokio::test]

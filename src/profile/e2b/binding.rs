@@ -9,17 +9,20 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-use super::api::Api;
-use super::binding::{Clauses, CreatedKind, Creation, Profile};
-use super::clauses::{ClauseTable, RowLevels};
-use crate::live::{RUN_TAG, RunSweep, Swept, SweptList, sweep_older_over, sweep_run_over, why};
+use crate::live::{
+    RUN_TAG, RunSweep, Swept, SweptList, get_json, sweep_older_over, sweep_run_over,
+};
+use crate::profile::api::Api;
+use crate::profile::binding::{Clauses, CreatedKind, Creation, Profile};
+use crate::profile::clauses::{ClauseTable, RowLevels};
+use crate::sdk::{Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Conn, Tokens};
 
 /// The clause document: every clause is a guarantee of E2B's own contract, a MUST.
 pub const CLAUSES: ClauseTable = ClauseTable {
     prefix: "E2B-",
     path: "docs/profiles/e2b.md",
-    text: include_str!("../../docs/profiles/e2b.md"),
+    text: include_str!("../../../docs/profiles/e2b.md"),
     levels: RowLevels::AllMust,
 };
 
@@ -44,19 +47,53 @@ pub fn envd_route(
     sandbox: &str,
     envd_domain: Option<&str>,
 ) -> (Option<String>, Vec<(String, String)>) {
+    port_route(sandbox, ENVD_PORT, envd_domain)
+}
+
+/// How a port of a sandbox is reached, as the SDK's `get_host` names it: at
+/// `https://<port>-<sandbox>.<domain>` with an envd domain, else on the target's own URL with
+/// the routing headers for that port.
+pub fn port_route(
+    sandbox: &str,
+    port: u16,
+    envd_domain: Option<&str>,
+) -> (Option<String>, Vec<(String, String)>) {
     match envd_domain {
         Some(domain) => (
-            Some(format!("https://{ENVD_PORT}-{sandbox}.{domain}")),
+            Some(format!("https://{port}-{sandbox}.{domain}")),
             Vec::new(),
         ),
         None => (
             None,
             vec![
                 ("E2b-Sandbox-Id".to_owned(), sandbox.to_owned()),
-                ("E2b-Sandbox-Port".to_owned(), ENVD_PORT.to_string()),
+                ("E2b-Sandbox-Port".to_owned(), port.to_string()),
             ],
         ),
     }
+}
+
+/// envd's v1 signature of a file URL, as the SDK's `download_url` and `upload_url` make it:
+/// `v1_` and the unpadded base64 of SHA-256 over `path:operation:user:token`, with
+/// `:expiration` (Unix seconds) when the URL expires.
+pub fn file_signature(
+    path: &str,
+    operation: &str,
+    user: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let mut raw = format!("{path}:{operation}:{user}:{token}");
+    if let Some(e) = expiration {
+        raw.push_str(&format!(":{e}"));
+    }
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 /// The E2B profile.
@@ -81,12 +118,16 @@ impl Profile for E2b {
 
     /// The control plane's endpoints, envd's Connect RPCs and its HTTP endpoints, as the
     /// tables of `docs/profiles/e2b.md` list them.
-    fn operations(&self) -> Vec<super::operations::Operation> {
-        super::operations::from_tables(CLAUSES.text)
+    fn operations(&self) -> Vec<crate::profile::operations::Operation> {
+        crate::profile::operations::from_tables(CLAUSES.text)
     }
 
     fn created(&self, method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
         created(method, path, status, body)
+    }
+
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        creates_sandbox(method, path)
     }
 
     fn sweep_run<'a>(
@@ -107,16 +148,30 @@ impl Profile for E2b {
     ) -> BoxFuture<'a, Result<Vec<Swept>, String>> {
         sweep_older_than(conn, token, older_than, dry_run)
     }
+
+    fn sdk_journeys(&self) -> Option<&'static Journeys> {
+        Some(&super::journeys::JOURNEYS)
+    }
+
+    fn sdk_matrix<'a>(
+        &'a self,
+        target: SdkTarget<'a>,
+        client: reqwest::Client,
+        specs: &'a [SdkSpec],
+        cache: &'a std::path::Path,
+    ) -> BoxFuture<'a, SdkMatrix> {
+        super::journeys::run(target, client, specs, cache)
+    }
 }
 
 /// A team's API key, as the SDK sends it.
-pub(super) fn api_key(token: &str) -> (&'static str, String) {
+pub(crate) fn api_key(token: &str) -> (&'static str, String) {
     ("X-API-Key", token.to_owned())
 }
 
 /// E2B's creates name the sandbox `sandboxID`; it is gone when `GET /sandboxes/{id}` answers
 /// 404. Resume and connect answer 201 for a sandbox that exists already: not creations.
-pub(super) fn created(method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
+pub(crate) fn created(method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation> {
     if method != "POST" || status != 201 || !matches!(path, "/sandboxes" | "/v2/sandboxes") {
         return Vec::new();
     }
@@ -129,10 +184,15 @@ pub(super) fn created(method: &str, path: &str, status: u16, body: &Value) -> Ve
     }
 }
 
+/// A sandbox create of E2B's control plane (`POST /sandboxes`, `POST /v2/sandboxes`).
+pub(crate) fn creates_sandbox(method: &str, path: &str) -> bool {
+    method == "POST" && matches!(path, "/sandboxes" | "/v2/sandboxes")
+}
+
 /// The end-of-run sweep of an E2B control plane: for every principal, the running and paused
 /// sandboxes `GET /v2/sandboxes` lists with the run's `sandspec_run` metadata; only a
 /// record's own metadata decides, and each one found is killed and confirmed gone.
-pub(super) fn sweep_run<'a>(
+pub(crate) fn sweep_run<'a>(
     conn: &'a Conn<'a>,
     tokens: &'a Tokens,
     run_id: &'a str,
@@ -150,7 +210,7 @@ pub(super) fn sweep_run<'a>(
 /// `sandspec sweep --api e2b`: every sandbox `GET /v2/sandboxes` lists for the team, running
 /// or paused, whose own `metadata` carries a `sandspec_run` tag and whose `startedAt` is
 /// before the cutoff, is killed (`DELETE /sandboxes/{id}`) and confirmed gone by a 404.
-pub(super) fn sweep_older_than<'a>(
+pub(crate) fn sweep_older_than<'a>(
     conn: &'a Conn<'a>,
     token: &'a str,
     older_than: Duration,
@@ -189,27 +249,13 @@ async fn list_all(
                 q.append_pair("nextToken", t);
             }
         }
-        let resp = conn
-            .client
-            .get(url)
-            .header("X-API-Key", token)
-            .timeout(conn.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {list}: {}", why(conn, &e)))?;
-        if !resp.status().is_success() {
-            return Err(format!("GET {list}: status {}", resp.status()));
-        }
-        next = resp
-            .headers()
+        let (headers, page) =
+            get_json(conn, ("X-API-Key", token), url, &format!("GET {list}")).await?;
+        next = headers
             .get("x-next-token")
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map(str::to_owned);
-        let page: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {list}: {}", why(conn, &e)))?;
         let items = page
             .as_array()
             .ok_or_else(|| format!("GET {list}: not an array"))?;
@@ -256,6 +302,20 @@ mod tests {
                 &serde_json::json!({"id": "x"})
             )
             .is_empty()
+        );
+    }
+
+    /// The values the SDK's `get_signature` gives for the same fields (computed with
+    /// Python's hashlib and base64, as it does).
+    #[test]
+    fn file_signatures_are_envds_v1() {
+        assert_eq!(
+            file_signature("signed.txt", "read", "", "tok", None),
+            "v1_naf9vweu1UYYFJNcvUcv3mEgsh+/LghSuKF2ljfQUCI"
+        );
+        assert_eq!(
+            file_signature("signed.txt", "write", "user", "tok", Some(1_700_000_000)),
+            "v1_y8mcbFWSQQgpZIRQqxHrl3YQmoJlsR/PzPneNqaHTdY"
         );
     }
 
