@@ -5,6 +5,7 @@ pub mod command;
 pub mod faulty_proxy;
 pub mod http;
 pub mod listening;
+pub mod mcp_http;
 pub mod modules;
 pub mod owner;
 pub mod receipt;
