@@ -227,6 +227,8 @@ pub enum Defect {
     E2bStreamInputDropsData,
     /// E2B's proxy serves only envd's port: every other sandbox port is 502.
     E2bPortProxyMissing,
+    /// envd takes a signed file URL whose `signature_expiration` has passed.
+    E2bSignatureExpiryIgnored,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -350,6 +352,7 @@ impl Defect {
         Defect::E2bKeepaliveIgnored,
         Defect::E2bStreamInputDropsData,
         Defect::E2bPortProxyMissing,
+        Defect::E2bSignatureExpiryIgnored,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -462,6 +465,7 @@ impl Defect {
             Defect::E2bKeepaliveIgnored => "e2b-keepalive-ignored",
             Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
             Defect::E2bPortProxyMissing => "e2b-port-proxy-missing",
+            Defect::E2bSignatureExpiryIgnored => "e2b-signature-expiry-ignored",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -619,6 +623,7 @@ impl Defect {
                 "E2B: StreamInput keeps the first data message and drops the rest"
             }
             Defect::E2bPortProxyMissing => "E2B: only envd's port is reachable",
+            Defect::E2bSignatureExpiryIgnored => "E2B: expired file URLs still work",
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }

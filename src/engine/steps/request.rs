@@ -11,7 +11,7 @@ use crate::engine::context::{
     CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
-use crate::profile::e2b::{ENVD_PORT, port_route};
+use crate::profile::e2b::{ENVD_PORT, file_signature, port_route};
 use crate::scenario::{
     Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
     first_line, present,
@@ -64,6 +64,25 @@ pub struct Request {
     /// Sign the request as a worker of the private bridge does (protocol §8.8).
     #[serde(default)]
     pub bridge_signature: Option<BridgeSignature>,
+    /// E2B profile: sign a `/files` request as the SDK's `download_url` and `upload_url` do,
+    /// with the sandbox's access token instead of sending it.
+    #[serde(default)]
+    pub envd_signature: Option<EnvdSignature>,
+}
+
+/// What an envd file URL signs (`signature` and `signature_expiration` in its query): the
+/// path and user as the query names them, the operation, the token and the expiry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvdSignature {
+    /// `read` (a download) or `write` (an upload).
+    pub operation: Located<String>,
+    /// The sandbox's envd access token: a capture marked `secret: true`.
+    pub token: Template,
+    /// The signature expires this many seconds from now (negative: already expired); none
+    /// without.
+    #[serde(default)]
+    pub expires_in_s: Option<i64>,
 }
 
 /// How to sign a bridge request: `X-Sandspec-Timestamp` (now) and `X-Sandspec-Signature` over
@@ -137,6 +156,29 @@ impl Request {
         }
         if let Some(b) = &r.body_base64 {
             c.base64(b);
+        }
+        if let Some(sign) = &r.envd_signature {
+            c.template(&sign.token, scope, ctx);
+            if !matches!(sign.operation.value.as_str(), "read" | "write") {
+                c.err(
+                    Pos::of(&sign.operation),
+                    "an envd signature's operation is `read` or `write`",
+                );
+            }
+            if r.envd.is_none() {
+                c.err(
+                    sign.token.pos,
+                    "`envd_signature` signs an envd request: give `envd`",
+                );
+            }
+            for own in ["signature", "signature_expiration"] {
+                if r.query.contains_key(own) {
+                    c.err(
+                        sign.token.pos,
+                        format!("`envd_signature` sets `{own}`; do not give it in `query`"),
+                    );
+                }
+            }
         }
         if let Some(sign) = &r.bridge_signature {
             c.template(&sign.secret, scope, ctx);
@@ -279,6 +321,32 @@ impl Ctx<'_> {
                 literal_auth = true;
             }
             headers.push((k.clone(), self.vars.render(v)?));
+        }
+        if let Some(sign) = &r.envd_signature {
+            let token = self.vars.render(&sign.token)?;
+            let value_of = |name: &str| {
+                query
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map_or("", |(_, v)| v.as_str())
+            };
+            let expiration = sign
+                .expires_in_s
+                .map(|s| time::OffsetDateTime::now_utc().unix_timestamp() + s);
+            let signature = file_signature(
+                value_of("path"),
+                &sign.operation.value,
+                value_of("username"),
+                &token,
+                expiration,
+            );
+            query.push(("signature".to_owned(), signature));
+            if let Some(e) = expiration {
+                query.push(("signature_expiration".to_owned(), e.to_string()));
+            }
+            if !self.secrets.contains(&token) {
+                self.secrets.push(token);
+            }
         }
         let body = if let Some(json) = &r.json {
             let value = self.vars.render_json(&json.value)?;

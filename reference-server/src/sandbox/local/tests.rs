@@ -1126,6 +1126,38 @@ async fn a_process_runs_as_the_sandbox_user_or_as_its_root() {
     f.provider.destroy(&local).await.unwrap();
 }
 
+/// Directories the server makes for the sandbox (a write's parents, `make_dir`, a move's
+/// new parents) belong to the sandbox's user, as if it had made them: its processes can
+/// create files in them. Those that were there keep their owner.
+#[tokio::test]
+async fn directories_the_server_makes_are_the_sandbox_users() {
+    let f = fixture().await;
+    let local = f.sandbox().await;
+    let files = f.provider.files(&local).unwrap();
+    assert!(files.make_dir("made/by/make_dir").unwrap());
+    files.write("made/by/write/file.txt", b"x").unwrap();
+    files.write("moved.txt", b"y").unwrap();
+    files
+        .rename("moved.txt", "made/by/rename/moved.txt")
+        .unwrap();
+    let script = sh(
+        "for d in made/by/make_dir made/by/write made/by/rename made; do touch $d/mine || exit 1; done; echo ok",
+    );
+    let id = f
+        .try_start_as(&local, script, &BTreeMap::new(), SandboxUser::User)
+        .await
+        .unwrap();
+    let (events, record) = f.wait_exit(&id).await;
+    assert_eq!(
+        output_of(&events, "stdout").trim(),
+        "ok",
+        "stderr: {}",
+        output_of(&events, "stderr")
+    );
+    assert_eq!(record.body["exit_code"], 0);
+    f.provider.destroy(&local).await.unwrap();
+}
+
 /// Without a memory cgroup every process gets the sandbox's grant as its data limit (soft
 /// and hard, so it cannot raise it): an allocation beyond it fails.
 #[tokio::test]
