@@ -90,7 +90,9 @@ impl ControlPlane {
                 ("E2B_API_KEY".into(), KEY.into()),
             ],
         };
-        McpSession::start(&cmd).await.expect("start sandspec mcp")
+        McpSession::start(&cmd, sandspec::target::ReadLimits::default())
+            .await
+            .expect("start sandspec mcp")
     }
 
     /// `sandspec mcp --listen` over this control plane, with `defects` and `extra` flags.
@@ -1056,7 +1058,7 @@ async fn agent_sandbox_client_session(
         ],
         env,
     };
-    McpSession::start(&cmd)
+    McpSession::start(&cmd, sandspec::target::ReadLimits::default())
         .await
         .expect("start agent_sandbox.agent.mcp")
 }

@@ -150,6 +150,15 @@ impl StepKind for Mcp {
         !self.refused && self.action != Action::Shutdown
     }
 
+    /// A create through the MCP server makes a sandbox on the control plane.
+    fn sandboxes(
+        &self,
+        _vars: &crate::engine::vars::Vars<'_>,
+        _profile: &dyn crate::profile::Profile,
+    ) -> u64 {
+        u64::from(self.action == crate::mcp::Action::Create)
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.mcp(self, label).await
     }
@@ -210,7 +219,8 @@ impl Ctx<'_> {
                             .collect(),
                     };
                     self.secrets.push(self.target.tokens.owner.clone());
-                    tokio::time::timeout(CALL_WAIT, McpSession::start(&command)).await
+                    tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
+                        .await
                 }
                 McpTransport::Http(http) => {
                     self.secrets.extend(http.token.iter().cloned());
@@ -285,6 +295,15 @@ impl Ctx<'_> {
             return Err(StepError::Fail(format!("`{tool}` refused: {}", reply.text)));
         }
         self.saw_success = true;
+        // A sandbox the server created counts in what the run consumed, by the handle its
+        // tool returned (when the map says where it is).
+        if m.action == crate::mcp::Action::Create
+            && let Some(handle) = binding.handle(&reply.value, &params)
+        {
+            self.target
+                .usage
+                .sandbox_created(&format!("/sandboxes/{}", toolmap::sandbox_of(&handle)));
+        }
         let mut failures = Vec::new();
         for check in &m.json {
             if let Err(msg) = json_check(check, &reply.value, &self.vars) {
