@@ -113,6 +113,7 @@ async fn http_session(server: &McpHttp) -> McpSession {
     McpSession::connect(
         &server.server(),
         sandspec::target::build_client(None).unwrap(),
+        sandspec::target::ReadLimits::default(),
     )
     .await
     .expect("connect to sandspec mcp --listen")
@@ -496,7 +497,13 @@ async fn over_http_the_token_is_required() {
         url: server.url.clone(),
         token: Some("not-the-token".into()),
     };
-    match McpSession::connect(&wrong, http.clone()).await {
+    match McpSession::connect(
+        &wrong,
+        http.clone(),
+        sandspec::target::ReadLimits::default(),
+    )
+    .await
+    {
         Err(McpError::Initialize(message)) => {
             assert!(message.to_lowercase().contains("auth"), "{message}")
         }
@@ -527,9 +534,13 @@ async fn a_stream_cut_mid_answer_is_resumed_with_last_event_id() {
         url: format!("{}/mcp", proxy.url),
         token: Some(server.token.clone()),
     };
-    let mut session = McpSession::connect(&through, sandspec::target::build_client(None).unwrap())
-        .await
-        .expect("connect through the proxy");
+    let mut session = McpSession::connect(
+        &through,
+        sandspec::target::build_client(None).unwrap(),
+        sandspec::target::ReadLimits::default(),
+    )
+    .await
+    .expect("connect through the proxy");
     let created = handle(
         &session
             .call_tool("create_sandbox", json!({}))

@@ -4,8 +4,10 @@
 //! bounded against a server that misbehaves, and the session's end: a `DELETE` with the
 //! session's ID, sent by the runner itself so that its answer can be judged.
 //!
-//! Bounds: every message (an SSE event or a JSON body) is read up to [`MAX_MESSAGE`] bytes and
-//! an error body up to [`MAX_ERROR_BODY`]; at most [`MAX_REQUESTS`] POSTs at once; a dropped
+//! Bounds: every message (an SSE event or a JSON body) is read up to the run's cap on one
+//! message (`--max-event-bytes`, as on stdio) and an error body up to [`MAX_ERROR_BODY`]; what
+//! went over the cap is kept for the message of the call that failed ([`HttpLink::refused`]);
+//! at most [`MAX_REQUESTS`] POSTs at once; a dropped
 //! event stream is resumed at most [`MAX_RESUMES`] times, waiting no more than
 //! [`MAX_RESUME_DELAY`] between tries; a session the server says has expired is not silently
 //! replaced by a new one. How long each call, the `initialize` and the `DELETE` may take is the
@@ -15,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::StreamExt as _;
 use futures_util::stream::BoxStream;
 use http::{HeaderName, HeaderValue};
 use rmcp::model::ClientJsonRpcMessage;
@@ -26,8 +29,6 @@ use rmcp::transport::streamable_http_client::{
 };
 use sse_stream::Sse;
 
-/// The largest message read from the server: one SSE event, or one JSON response body.
-pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 /// The most of an error response's body kept, for the message that names it.
 pub const MAX_ERROR_BODY: usize = 16 * 1024;
 /// POSTs in flight at once in one session.
@@ -47,22 +48,24 @@ struct Seen {
     session: Option<String>,
     /// Set once the runner ends the session itself: rmcp then sends no `DELETE` of its own.
     ended: bool,
+    /// The first message the transport refused for its size, as rmcp said it.
+    refused: Option<String>,
+}
+
+/// Whether an error of rmcp's transport is its refusal of a message over the cap (rmcp's
+/// own words: its limiter's error type is private).
+fn over_the_cap(error: &dyn std::fmt::Display) -> bool {
+    error.to_string().contains("exceeded the maximum size")
 }
 
 /// rmcp's HTTP client for one session: reqwest with the runner's settings, every read bounded
-/// by [`limits`], and the session's ID kept for its end.
+/// by [`HttpLink::limits`], and the session's ID kept for its end.
 #[derive(Clone)]
 pub struct HttpLink {
     http: reqwest::Client,
+    /// The cap on one message: an SSE event or a JSON body.
+    max_message: usize,
     seen: Arc<Mutex<Seen>>,
-}
-
-fn limits() -> StreamableHttpResponseLimits {
-    let mut limits = StreamableHttpResponseLimits::default();
-    limits.max_sse_event_size = MAX_MESSAGE;
-    limits.max_json_response_size = MAX_MESSAGE;
-    limits.max_error_response_size = MAX_ERROR_BODY;
-    limits
 }
 
 impl HttpLink {
@@ -79,6 +82,41 @@ impl HttpLink {
     /// `DELETE` of its own.
     pub fn take_over_end(&self) {
         self.seen().ended = true;
+    }
+
+    /// The first message refused for its size, if any: why the call that waited for it
+    /// failed.
+    pub fn refused(&self) -> Option<String> {
+        self.seen().refused.clone()
+    }
+
+    fn note_refusal(&self, error: &dyn std::fmt::Display) {
+        if over_the_cap(error) {
+            self.seen().refused.get_or_insert_with(|| {
+                format!(
+                    "an MCP message exceeds --max-event-bytes ({} bytes): {error}",
+                    self.max_message
+                )
+            });
+        }
+    }
+
+    fn limits(&self) -> StreamableHttpResponseLimits {
+        let mut limits = StreamableHttpResponseLimits::default();
+        limits.max_sse_event_size = self.max_message;
+        limits.max_json_response_size = self.max_message;
+        limits.max_error_response_size = MAX_ERROR_BODY;
+        limits
+    }
+
+    /// An event stream whose refusal of an event over the cap is noted.
+    fn noting(&self, events: Events) -> Events {
+        let link = self.clone();
+        Box::pin(events.inspect(move |event| {
+            if let Err(e) = event {
+                link.note_refusal(e);
+            }
+        }))
     }
 }
 
@@ -99,7 +137,7 @@ impl StreamableHttpClient for HttpLink {
             session_id,
             auth_header,
             custom_headers,
-            limits(),
+            self.limits(),
         )
         .await
     }
@@ -119,7 +157,7 @@ impl StreamableHttpClient for HttpLink {
             session_id,
             auth_header,
             custom_headers,
-            limits(),
+            self.limits(),
         )
         .await
     }
@@ -142,9 +180,10 @@ impl StreamableHttpClient for HttpLink {
                 session_id,
                 auth_header,
                 custom_headers,
-                limits(),
+                self.limits(),
             )
-            .await?;
+            .await
+            .inspect_err(|e| self.note_refusal(e))?;
         if let StreamableHttpPostResponse::Json(_, Some(id))
         | StreamableHttpPostResponse::Sse(_, Some(id)) = &response
         {
@@ -153,7 +192,12 @@ impl StreamableHttpClient for HttpLink {
                 seen.session = Some(id.clone());
             }
         }
-        Ok(response)
+        Ok(match response {
+            StreamableHttpPostResponse::Sse(events, id) => {
+                StreamableHttpPostResponse::Sse(self.noting(events), id)
+            }
+            other => other,
+        })
     }
 
     async fn delete_session(
@@ -179,16 +223,18 @@ impl StreamableHttpClient for HttpLink {
         auth_header: Option<String>,
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> Result<Events, Error> {
-        self.http
+        let events = self
+            .http
             .get_stream_with_max_sse_event_size(
                 uri,
                 session_id,
                 last_event_id,
                 auth_header,
                 custom_headers,
-                MAX_MESSAGE,
+                self.max_message,
             )
-            .await
+            .await?;
+        Ok(self.noting(events))
     }
 
     async fn get_stream_with_max_sse_event_size(
@@ -206,21 +252,24 @@ impl StreamableHttpClient for HttpLink {
 }
 
 /// rmcp's streamable HTTP transport to `url` over `http` (the runner's client: its TLS
-/// settings, no redirects), with the bearer `token` when given, and the link that knows the
-/// session's ID.
+/// settings, no redirects), with the bearer `token` when given, reading no message over
+/// `max_message` bytes, and the link that knows the session's ID.
 pub fn transport(
     url: &str,
     token: Option<&str>,
     http: reqwest::Client,
+    max_message: u64,
 ) -> (StreamableHttpClientTransport<HttpLink>, HttpLink) {
+    let max_message = usize::try_from(max_message).unwrap_or(usize::MAX);
     let link = HttpLink {
         http,
+        max_message,
         seen: Arc::default(),
     };
     let mut config = StreamableHttpClientTransportConfig::with_uri(url)
         .max_concurrent_requests(MAX_REQUESTS)
-        .max_sse_event_size(MAX_MESSAGE)
-        .max_json_response_size(MAX_MESSAGE)
+        .max_sse_event_size(max_message)
+        .max_json_response_size(max_message)
         .max_error_response_size(MAX_ERROR_BODY)
         // An expired session is the end the scenarios judge; a fresh one in its place would
         // hide it, and own nothing of what the first created.

@@ -5,7 +5,7 @@ mod http;
 mod session;
 pub mod toolmap;
 
-pub use http::{MAX_ERROR_BODY, MAX_MESSAGE, MAX_REQUESTS, MAX_RESUME_DELAY, MAX_RESUMES};
+pub use http::{MAX_ERROR_BODY, MAX_REQUESTS, MAX_RESUME_DELAY, MAX_RESUMES};
 pub use session::{
     Exchange, HttpServer, McpError, McpSession, RunSession, ServerCommand, Shutdown, ToolReply,
 };

@@ -207,10 +207,26 @@ impl McpSession {
     }
 
     /// Connects to a server over streamable HTTP and runs the `initialize` handshake, which
-    /// opens its session. `http` is the runner's client (TLS settings, no redirects).
-    pub async fn connect(server: &HttpServer, http: reqwest::Client) -> Result<Self, McpError> {
-        let (transport, link) = http::transport(&server.url, server.token.as_deref(), http.clone());
-        let client = ().serve(transport).await.map_err(|e| McpError::Initialize(e.to_string()))?;
+    /// opens its session. `http` is the runner's client (TLS settings, no redirects); each
+    /// message the server sends (an SSE event or a JSON body) is read under the event cap of
+    /// `limits` (`--max-event-bytes`), as on stdio.
+    pub async fn connect(
+        server: &HttpServer,
+        http: reqwest::Client,
+        limits: ReadLimits,
+    ) -> Result<Self, McpError> {
+        let (transport, link) = http::transport(
+            &server.url,
+            server.token.as_deref(),
+            http.clone(),
+            limits.event,
+        );
+        let client = ().serve(transport).await.map_err(|e| {
+            McpError::Initialize(match link.refused() {
+                Some(why) => format!("{e} ({why})"),
+                None => e.to_string(),
+            })
+        })?;
         Ok(Self::initialized(
             Link::Http {
                 server: server.clone(),
@@ -218,6 +234,7 @@ impl McpSession {
                 link,
             },
             client,
+            // The link, not a reader, says what the transport refused.
             Tripped::default(),
         ))
     }
@@ -317,9 +334,14 @@ impl McpSession {
 
     fn failed(&mut self, method: &str, params: Value, message: String) -> McpError {
         // A message over the cap ended the session: that is why the call failed.
-        let message = match self.tripped.get() {
-            Some(t) => format!("{t}; the session ended"),
-            None => message,
+        let refused = match &self.link {
+            Link::Http { link, .. } => link.refused(),
+            Link::Stdio(_) => None,
+        };
+        let message = match (self.tripped.get(), refused) {
+            (Some(t), _) => format!("{t}; the session ended"),
+            (None, Some(why)) => format!("{message} ({why})"),
+            (None, None) => message,
         };
         self.exchanges.push(Exchange {
             method: method.into(),
@@ -495,6 +517,8 @@ mod tests {
     enum Hostile {
         /// Answers a tool call with one SSE event of this many bytes of text.
         Event(usize),
+        /// Answers a tool call with a JSON body of this many bytes of text.
+        Json(usize),
         /// Answers every request after `initialize` with 404: the session expired.
         Expires,
         /// Gives the session no `Mcp-Session-Id`.
@@ -560,6 +584,12 @@ mod tests {
                                 let event = format!("data: {result}\n\n");
                                 reply(200, "text/event-stream", event.into_bytes())
                             }
+                            _ if let Hostile::Json(size) = how => {
+                                let text = "x".repeat(size);
+                                let result = serde_json::json!({"jsonrpc": "2.0", "id": id,
+                                    "result": {"content": [{"type": "text", "text": text}]}});
+                                reply(200, "application/json", result.to_string().into_bytes())
+                            }
                             _ => {
                                 let result = serde_json::json!({"jsonrpc": "2.0", "id": id,
                                     "result": {"content": [{"type": "text", "text": "{}"}]}});
@@ -586,29 +616,57 @@ mod tests {
         };
         // reqwest is built without a TLS provider of its own.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        McpSession::connect(&server, reqwest::Client::new())
+        McpSession::connect(&server, reqwest::Client::new(), CAP)
             .await
             .expect("initialize")
     }
 
+    /// The run's caps in these tests: one message up to 64 KiB.
+    const CAP: ReadLimits = ReadLimits {
+        body: 1024 * 1024,
+        event: 64 * 1024,
+    };
+
     const GRACE: Duration = Duration::from_secs(2);
 
     #[tokio::test]
-    async fn an_event_larger_than_the_runner_reads_fails_the_call() {
-        let (url, _) = hostile(Hostile::Event(http::MAX_MESSAGE / 2)).await;
-        let mut session = connect(&url).await;
-        let reply = session
-            .call_tool("t", Value::Null)
-            .await
-            .expect("half the bound is read");
-        assert_eq!(reply.text.len(), http::MAX_MESSAGE / 2);
-        let (url, _) = hostile(Hostile::Event(http::MAX_MESSAGE)).await;
-        let mut session = connect(&url).await;
-        let err = tokio::time::timeout(GRACE * 5, session.call_tool("t", Value::Null))
-            .await
-            .expect("the call ends")
-            .expect_err("an event over the bound is not read");
-        assert!(err.to_string().contains("tools/call"), "{err}");
+    async fn a_message_larger_than_the_cap_fails_the_call_and_says_so() {
+        let cap = CAP.event as usize;
+        for (half, whole) in [
+            (Hostile::Event(cap / 2), Hostile::Event(cap)),
+            (Hostile::Json(cap / 2), Hostile::Json(cap)),
+        ] {
+            let (url, _) = hostile(half).await;
+            let mut session = connect(&url).await;
+            let reply = session
+                .call_tool("t", Value::Null)
+                .await
+                .expect("half the cap is read");
+            assert_eq!(reply.text.len(), cap / 2);
+            let (url, _) = hostile(whole).await;
+            let mut session = connect(&url).await;
+            let err = tokio::time::timeout(GRACE * 5, session.call_tool("t", Value::Null))
+                .await
+                .expect("the call ends")
+                .expect_err("a message over the cap is not read");
+            let said = err.to_string();
+            assert!(said.contains("tools/call"), "{said}");
+            assert!(
+                said.contains(&format!("exceeds --max-event-bytes ({cap} bytes)")),
+                "{said}"
+            );
+            let recorded = &session
+                .exchanges()
+                .last()
+                .expect("the call is recorded")
+                .result;
+            assert!(
+                recorded["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("--max-event-bytes")),
+                "{recorded}"
+            );
+        }
     }
 
     #[tokio::test]

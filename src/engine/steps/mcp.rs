@@ -228,7 +228,8 @@ impl Ctx<'_> {
                         .target
                         .fresh_client()
                         .map_err(|e| StepError::Error(e.to_string()))?;
-                    tokio::time::timeout(CALL_WAIT, McpSession::connect(http, client)).await
+                    let limits = self.target.limits;
+                    tokio::time::timeout(CALL_WAIT, McpSession::connect(http, client, limits)).await
                 }
             };
             let session = started
