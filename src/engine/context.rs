@@ -221,9 +221,26 @@ impl<'a> Ctx<'a> {
         p: &Prepared,
         label: &str,
     ) -> Result<Observed, StepError> {
+        self.send_leaving(client, p, label, None).await
+    }
+
+    /// [`Ctx::send`]; with `leave_after`, the body is read for at most that long from when
+    /// the request was sent, and then the connection is closed (a client that goes away),
+    /// the response observed being what was read by then.
+    pub(super) async fn send_leaving(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+        leave_after: Option<Duration>,
+    ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
-        let outcome = exchange(self.builder(client, p), self.target.request_timeout).await;
+        let builder = self.builder(client, p);
+        let outcome = match leave_after {
+            None => exchange(builder, self.target.request_timeout).await,
+            Some(d) => exchange_leaving(builder, self.target.request_timeout, d).await,
+        };
         let mut exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
@@ -419,6 +436,57 @@ pub(super) async fn exchange_holding(
         body: body.into(),
     };
     Ok((observed, None))
+}
+
+/// [`exchange`], but the body is read only until `leave_after` has passed since the request
+/// was sent (or it ends); the response is then dropped, which closes its connection.
+async fn exchange_leaving(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    leave_after: Duration,
+) -> Result<Observed, (String, bool)> {
+    let until = tokio::time::Instant::now() + leave_after;
+    let secs = limit.as_secs_f64();
+    let mut response = match tokio::time::timeout(limit.min(leave_after), builder.send()).await {
+        Err(_) => {
+            return Err((
+                format!(
+                    "headers not received within {}s",
+                    limit.min(leave_after).as_secs_f64()
+                ),
+                false,
+            ));
+        }
+        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let mut body = Vec::new();
+    loop {
+        let next = tokio::time::timeout(limit, response.chunk());
+        match tokio::time::timeout_at(until, next).await {
+            Err(_) => break,
+            Ok(Err(_)) => {
+                return Err((
+                    format!(
+                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
+                        body.len()
+                    ),
+                    false,
+                ));
+            }
+            Ok(Ok(Err(e))) => return Err((describe_reqwest(&e), false)),
+            Ok(Ok(Ok(None))) => break,
+            Ok(Ok(Ok(Some(chunk)))) => body.extend_from_slice(&chunk),
+        }
+    }
+    drop(response);
+    Ok(Observed {
+        status,
+        headers,
+        body: body.into(),
+    })
 }
 
 /// A status mismatch message, with the problem code when the response has one.

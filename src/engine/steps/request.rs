@@ -1,6 +1,7 @@
 //! `request`: one HTTP request, judged by its `expect` block, with captures.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use regex::Regex;
 use serde::Deserialize;
@@ -11,7 +12,7 @@ use crate::engine::context::{
     CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
-use crate::profile::e2b::envd_route;
+use crate::profile::e2b::{ENVD_PORT, sandbox_route};
 use crate::scenario::{
     Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
     first_line, present,
@@ -33,6 +34,15 @@ pub struct Request {
     /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
     #[serde(default)]
     pub envd: Option<Template>,
+    /// With `envd`: the port of the sandbox the request is routed to (`E2b-Sandbox-Port`, or
+    /// the host form's label), envd's 49983 unless given; the code interpreter's is 49999.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// Read the response for at most this many milliseconds from when the request is sent,
+    /// then close the connection, as a client that goes away does; the expectations judge
+    /// what was read by then (a body that ends sooner is read whole).
+    #[serde(default)]
+    pub leave_after_ms: Option<u64>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -104,6 +114,18 @@ impl Request {
                     "`envd` names the sandbox's envd: it cannot go `via: peer`",
                 );
             }
+        }
+        if r.port.is_some() && r.envd.is_none() {
+            c.err(
+                r.path.pos,
+                "`port` is a port of the sandbox that `envd` names: give `envd` too",
+            );
+        }
+        if r.leave_after_ms == Some(0) || (in_parallel && r.leave_after_ms.is_some()) {
+            c.err(
+                r.path.pos,
+                "`leave_after_ms` is a positive number of milliseconds, outside `parallel`",
+            );
         }
         for t in r.headers.values().chain(r.query.values()) {
             c.template(t, scope, ctx);
@@ -216,6 +238,7 @@ fn has_expectations(e: &Expect) -> bool {
         || e.code.is_some()
         || e.content_type.is_some()
         || !e.json.is_empty()
+        || !e.json_lines.is_empty()
         || !e.headers.is_empty()
         || e.body_text.is_some()
         || e.body_base64.is_some()
@@ -236,6 +259,12 @@ impl StepKind for Request {
 
     fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
         self.check_as(c, scope, ctx, false);
+    }
+
+    fn waits(&self, _ctx: &Ctx<'_>) -> Duration {
+        self.leave_after_ms
+            .map(Duration::from_millis)
+            .unwrap_or_default()
     }
 
     fn expects_success(&self) -> bool {
@@ -292,7 +321,11 @@ impl Ctx<'_> {
         let mut envd_host = None;
         if let Some(sandbox) = &r.envd {
             let sandbox = self.vars.render(sandbox)?;
-            let (host, routing) = envd_route(&sandbox, self.target.envd_domain.as_deref());
+            let (host, routing) = sandbox_route(
+                &sandbox,
+                r.port.unwrap_or(ENVD_PORT),
+                self.target.envd_domain.as_deref(),
+            );
             envd_host = host;
             headers.extend(routing);
         }
@@ -355,7 +388,8 @@ impl Ctx<'_> {
     async fn request(&mut self, r: &Request, label: &str) -> Result<(), StepError> {
         let p = self.prepare(r)?;
         let client = self.target.client.clone();
-        let obs = self.send(&client, &p, label).await?;
+        let leave_after = r.leave_after_ms.map(Duration::from_millis);
+        let obs = self.send_leaving(&client, &p, label, leave_after).await?;
         self.judge(r, &obs)
     }
 }

@@ -45,16 +45,27 @@ pub fn envd_route(
     sandbox: &str,
     envd_domain: Option<&str>,
 ) -> (Option<String>, Vec<(String, String)>) {
+    sandbox_route(sandbox, ENVD_PORT, envd_domain)
+}
+
+/// How a request reaches `port` of `sandbox`, as [`envd_route`] reaches envd's: at
+/// `https://<port>-<sandbox>.<domain>` with an envd domain, else with the routing headers
+/// naming that port (the code interpreter's service is on 49999).
+pub fn sandbox_route(
+    sandbox: &str,
+    port: u16,
+    envd_domain: Option<&str>,
+) -> (Option<String>, Vec<(String, String)>) {
     match envd_domain {
         Some(domain) => (
-            Some(format!("https://{ENVD_PORT}-{sandbox}.{domain}")),
+            Some(format!("https://{port}-{sandbox}.{domain}")),
             Vec::new(),
         ),
         None => (
             None,
             vec![
                 ("E2b-Sandbox-Id".to_owned(), sandbox.to_owned()),
-                ("E2b-Sandbox-Port".to_owned(), ENVD_PORT.to_string()),
+                ("E2b-Sandbox-Port".to_owned(), port.to_string()),
             ],
         ),
     }
