@@ -219,6 +219,16 @@ pub enum Defect {
     E2bRequestTimeoutIgnored,
     /// envd `Start` ends its stream at `Connect-Timeout-Ms` but leaves the process running.
     E2bTimeoutLeavesProcess,
+    /// The code interpreter runs each execution in a fresh kernel: nothing is kept between them.
+    E2bCiStateLost,
+    /// The code interpreter runs every context's code in the default context's kernel.
+    E2bCiContextsShareState,
+    /// The code interpreter reports an exception as text on stderr, not as an error.
+    E2bCiErrorAsStderr,
+    /// The code interpreter's kernels do not get the sandbox's `envVars`.
+    E2bCiEnvVarsDropped,
+    /// The code interpreter leaves an execution running when its client goes away.
+    E2bCiDisconnectNotInterrupted,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -338,6 +348,11 @@ impl Defect {
         Defect::E2bMultipartUploadRefused,
         Defect::E2bRequestTimeoutIgnored,
         Defect::E2bTimeoutLeavesProcess,
+        Defect::E2bCiStateLost,
+        Defect::E2bCiContextsShareState,
+        Defect::E2bCiErrorAsStderr,
+        Defect::E2bCiEnvVarsDropped,
+        Defect::E2bCiDisconnectNotInterrupted,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
@@ -446,6 +461,11 @@ impl Defect {
             Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
             Defect::E2bRequestTimeoutIgnored => "e2b-request-timeout-ignored",
             Defect::E2bTimeoutLeavesProcess => "e2b-timeout-leaves-process",
+            Defect::E2bCiStateLost => "e2b-ci-state-lost",
+            Defect::E2bCiContextsShareState => "e2b-ci-contexts-share-state",
+            Defect::E2bCiErrorAsStderr => "e2b-ci-error-as-stderr",
+            Defect::E2bCiEnvVarsDropped => "e2b-ci-env-vars-dropped",
+            Defect::E2bCiDisconnectNotInterrupted => "e2b-ci-disconnect-not-interrupted",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
@@ -596,6 +616,19 @@ impl Defect {
             Defect::E2bRequestTimeoutIgnored => "E2B: a command's timeout is ignored",
             Defect::E2bTimeoutLeavesProcess => {
                 "E2B: a command past its timeout loses its stream but keeps running"
+            }
+            Defect::E2bCiStateLost => "E2B code interpreter: nothing is kept between executions",
+            Defect::E2bCiContextsShareState => {
+                "E2B code interpreter: every context runs in the default context's kernel"
+            }
+            Defect::E2bCiErrorAsStderr => {
+                "E2B code interpreter: an exception is reported as stderr text, not as an error"
+            }
+            Defect::E2bCiEnvVarsDropped => {
+                "E2B code interpreter: kernels do not get the sandbox's envVars"
+            }
+            Defect::E2bCiDisconnectNotInterrupted => {
+                "E2B code interpreter: an execution runs on after its client went away"
             }
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
