@@ -327,8 +327,37 @@ struct Program {
 }
 
 /// Installs `spec` into its directory of `cache` (once: a marker says an install finished) and
-/// writes the journey program beside it.
+/// writes the journey program beside it. Runs that share a cache take turns: a lock file beside
+/// the directory is held from the marker check until the program is written.
 async fn install(spec: &SdkSpec, journeys: &Journeys, cache: &Path) -> Result<Program, String> {
+    std::fs::create_dir_all(cache).map_err(|e| format!("cannot make {}: {e}", cache.display()))?;
+    let lock_path = cache.join(format!("{}.lock", spec.cache_name()));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| format!("cannot open {}: {e}", lock_path.display()))?;
+    let waited_since = tokio::time::Instant::now();
+    loop {
+        match lock.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) => {
+                if waited_since.elapsed() > INSTALL_WAIT {
+                    return Err(format!(
+                        "another run held {} for longer than {}s",
+                        lock_path.display(),
+                        INSTALL_WAIT.as_secs()
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(format!("cannot lock {}: {e}", lock_path.display()));
+            }
+        }
+    }
+    // The lock is released when `lock` is dropped, on every return below.
     let dir = cache.join(spec.cache_name());
     let marker = dir.join("sandspec-installed");
     let done = std::fs::read_to_string(&marker).is_ok_and(|m| m == spec.to_string());
@@ -684,6 +713,35 @@ mod tests {
         node: "",
         id_prefix: "T",
     };
+
+    #[tokio::test]
+    async fn runs_sharing_a_cache_take_turns_installing() {
+        let cache = tempfile::tempdir().unwrap();
+        let spec: SdkSpec = "python:e2b==1.0.0".parse().unwrap();
+        // An install another run finished: the marker is there.
+        let dir = cache.path().join(spec.cache_name());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("sandspec-installed"), spec.to_string()).unwrap();
+        // Another run is still holding the lock.
+        let held = std::fs::File::create(cache.path().join(format!("{}.lock", spec.cache_name())))
+            .unwrap();
+        held.lock().unwrap();
+        let path = cache.path().to_path_buf();
+        let waiting = tokio::spawn(async move { install(&spec, &FAKE, &path).await });
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(
+            !waiting.is_finished(),
+            "install went on while the lock was held"
+        );
+        held.unlock().unwrap();
+        let program = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("install ends once the lock is free")
+            .unwrap()
+            .unwrap();
+        assert!(program.argv[0].ends_with("venv/bin/python"));
+        assert!(dir.join("journeys.py").exists());
+    }
 
     /// `drive` with a shell script standing in for an SDK's journey program.
     async fn drive_script(script: &str, wait: Duration) -> Vec<Cell> {

@@ -219,6 +219,16 @@ pub enum Defect {
     E2bRequestTimeoutIgnored,
     /// envd `Start` ends its stream at `Connect-Timeout-Ms` but leaves the process running.
     E2bTimeoutLeavesProcess,
+    /// E2B `DELETE /sandboxes/{id}` answers 204 but leaves the sandbox running.
+    E2bKillKeepsSandbox,
+    /// envd process streams ignore `Keepalive-Ping-Interval`: a quiet stream carries nothing.
+    E2bKeepaliveIgnored,
+    /// envd `StreamInput` writes the first `data` message's input and drops the rest.
+    E2bStreamInputDropsData,
+    /// E2B's proxy serves only envd's port: every other sandbox port is 502.
+    E2bPortProxyMissing,
+    /// envd takes a signed file URL whose `signature_expiration` has passed.
+    E2bSignatureExpiryIgnored,
     /// The code interpreter runs each execution in a fresh kernel: nothing is kept between them.
     E2bCiStateLost,
     /// The code interpreter runs every context's code in the default context's kernel.
@@ -348,6 +358,11 @@ impl Defect {
         Defect::E2bMultipartUploadRefused,
         Defect::E2bRequestTimeoutIgnored,
         Defect::E2bTimeoutLeavesProcess,
+        Defect::E2bKillKeepsSandbox,
+        Defect::E2bKeepaliveIgnored,
+        Defect::E2bStreamInputDropsData,
+        Defect::E2bPortProxyMissing,
+        Defect::E2bSignatureExpiryIgnored,
         Defect::E2bCiStateLost,
         Defect::E2bCiContextsShareState,
         Defect::E2bCiErrorAsStderr,
@@ -461,6 +476,11 @@ impl Defect {
             Defect::E2bMultipartUploadRefused => "e2b-multipart-upload-refused",
             Defect::E2bRequestTimeoutIgnored => "e2b-request-timeout-ignored",
             Defect::E2bTimeoutLeavesProcess => "e2b-timeout-leaves-process",
+            Defect::E2bKillKeepsSandbox => "e2b-kill-keeps-sandbox",
+            Defect::E2bKeepaliveIgnored => "e2b-keepalive-ignored",
+            Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
+            Defect::E2bPortProxyMissing => "e2b-port-proxy-missing",
+            Defect::E2bSignatureExpiryIgnored => "e2b-signature-expiry-ignored",
             Defect::E2bCiStateLost => "e2b-ci-state-lost",
             Defect::E2bCiContextsShareState => "e2b-ci-contexts-share-state",
             Defect::E2bCiErrorAsStderr => "e2b-ci-error-as-stderr",
@@ -617,6 +637,13 @@ impl Defect {
             Defect::E2bTimeoutLeavesProcess => {
                 "E2B: a command past its timeout loses its stream but keeps running"
             }
+            Defect::E2bKillKeepsSandbox => "E2B: a kill answers 204 but the sandbox runs on",
+            Defect::E2bKeepaliveIgnored => "E2B: process streams send no keepalive",
+            Defect::E2bStreamInputDropsData => {
+                "E2B: StreamInput keeps the first data message and drops the rest"
+            }
+            Defect::E2bPortProxyMissing => "E2B: only envd's port is reachable",
+            Defect::E2bSignatureExpiryIgnored => "E2B: expired file URLs still work",
             Defect::E2bCiStateLost => "E2B code interpreter: nothing is kept between executions",
             Defect::E2bCiContextsShareState => {
                 "E2B code interpreter: every context runs in the default context's kernel"

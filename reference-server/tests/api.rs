@@ -19,9 +19,10 @@ async fn health_answers_without_auth_and_every_response_has_a_request_id() {
     assert_ne!(other.header("x-request-id"), Some(rid));
 }
 
-/// An `isolation` object of the capabilities: namespaces with the uid and a loopback
-/// network, or none with the reason; `enforced` limits only with a cgroup version. With
-/// `SANDSPEC_REQUIRE_ISOLATION=1` the namespaces must be there.
+/// An `isolation` object of the capabilities: namespaces with how they are made, the uid,
+/// the users and home inside and a loopback network, or none with the reason; what is
+/// enforced, each with its mechanism (a cgroup version, or a per-process limit for memory).
+/// With `SANDSPEC_REQUIRE_ISOLATION=1` the namespaces must be there.
 fn check_isolation_report(iso: &Value) {
     let namespaces = iso["namespaces"].as_array().expect("namespaces");
     if namespaces.is_empty() {
@@ -30,6 +31,9 @@ fn check_isolation_report(iso: &Value) {
             "isolation is required but unavailable: {iso}"
         );
         assert_eq!(iso["uid"], Value::Null, "{iso}");
+        assert_eq!(iso["privilege"], Value::Null, "{iso}");
+        assert_eq!(iso["users"], json!([]), "{iso}");
+        assert_eq!(iso["home"], Value::Null, "{iso}");
         assert_eq!(iso["network"], "host", "{iso}");
         assert!(iso["unavailable"].is_string(), "{iso}");
     } else {
@@ -37,18 +41,65 @@ fn check_isolation_report(iso: &Value) {
             iso["namespaces"],
             json!(["user", "mount", "pid", "ipc", "uts", "network"])
         );
+        // Root in the host's user namespace makes them as root, anyone else unprivileged.
+        let root = own_euid() == 0
+            && std::fs::read_to_string("/proc/self/uid_map").is_ok_and(|m| {
+                m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
+            });
+        assert_eq!(
+            iso["privilege"],
+            if root { "root" } else { "unprivileged" },
+            "{iso}"
+        );
         assert_eq!(iso["uid"], 1000, "{iso}");
+        assert_eq!(iso["users"], json!(["user", "root"]), "{iso}");
+        assert_eq!(iso["home"], "/home/user", "{iso}");
         assert_eq!(iso["network"], "loopback", "{iso}");
         assert_eq!(iso["unavailable"], Value::Null, "{iso}");
     }
-    let enforced = iso["enforced"].as_array().expect("enforced");
-    assert_eq!(iso["cgroup"].is_null(), enforced.is_empty(), "{iso}");
+    let enforced: Vec<&str> = iso["enforced"]
+        .as_array()
+        .expect("enforced")
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let by = iso["enforced_by"].as_object().expect("enforced_by");
+    let mut named: Vec<&str> = by.keys().map(String::as_str).collect();
+    let mut listed = enforced.clone();
+    named.sort_unstable();
+    listed.sort_unstable();
+    assert_eq!(named, listed, "one mechanism per enforced limit: {iso}");
+    assert!(
+        enforced.contains(&"memory"),
+        "memory is always limited: {iso}"
+    );
+    for (what, how) in by {
+        let how = how.as_str().unwrap();
+        match how {
+            "cgroup_v1" | "cgroup_v2" => {}
+            "rlimit_data" => assert_eq!(what, "memory", "{iso}"),
+            other => panic!("unknown mechanism {other}: {iso}"),
+        }
+    }
+    let cgroups = by
+        .values()
+        .any(|v| v.as_str().unwrap().starts_with("cgroup_"));
+    assert_eq!(iso["cgroup"].is_null(), !cgroups, "{iso}");
     assert!(
         matches!(iso["cgroup"].as_str(), None | Some("v1" | "v2" | "hybrid")),
         "{iso}"
     );
-    let limits = enforced.contains(&json!("memory"));
-    assert_eq!(limits, iso["pids_max"].is_u64(), "{iso}");
+    assert_eq!(
+        enforced.contains(&"pids"),
+        iso["pids_max"].is_u64(),
+        "{iso}"
+    );
+}
+
+/// This process's effective uid.
+fn own_euid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions.
+    unsafe { libc::geteuid() }
 }
 
 #[tokio::test]

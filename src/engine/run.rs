@@ -277,10 +277,16 @@ pub fn skip_reason(target: &Target, scenario: &Scenario) -> Option<String> {
                     cap.value
                 ));
             }
+            // A target without isolation may say why (`isolation.unavailable`), with the fix.
+            let why = target.capabilities.raw["isolation"]["unavailable"]
+                .as_str()
+                .filter(|_| matches!(cap.value.as_str(), "isolation" | "memory_limit"))
+                .map(|why| format!(": {why}"))
+                .unwrap_or_default();
             return Some(if advertised {
                 format!("`{}` dropped by --drop-capability", cap.value)
             } else {
-                format!("target does not advertise `{}`", cap.value)
+                format!("target does not advertise `{}`{why}", cap.value)
             });
         }
     }

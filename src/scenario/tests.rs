@@ -616,6 +616,45 @@ fn connect_until_needs_a_stream_and_no_expected_error() {
     );
 }
 
+/// A client stream's `messages`, the headers an SDK sends and `output` checks are read as
+/// the step's fields, and each refuses what it cannot mean.
+#[test]
+fn connect_client_streams_headers_and_output_are_checked() {
+    let e2b = |step: &str| {
+        format!("id: E2B-PRC-001\ntitle: t\nclauses: [E2B-PRC-1]\nlevel: SHOULD\nsteps:\n{step}")
+    };
+    let ok = "  - connect: {sandbox: x, rpc: process.Process/StreamInput, stream: true, messages: [{start: {}}, {data: {}}], headers: {Connect-Timeout-Ms: \"5\"}, output: [{pointer: /event/data/stdout, contains: hi}]}\n";
+    assert!(parse_str(Path::new("ok.yaml"), &e2b(ok)).is_ok());
+    check_err(
+        &e2b("  - connect: {sandbox: x, rpc: process.Process/StreamInput, messages: [{}]}\n"),
+        "bad.yaml:6:71: `messages` is a client stream: it needs `stream: true`",
+    );
+    check_err(
+        &e2b(
+            "  - connect: {sandbox: x, rpc: process.Process/Start, stream: true, message: {}, messages: [{}]}\n",
+        ),
+        "bad.yaml:6:92: give `message` (one) or `messages` (a client stream), not both",
+    );
+    check_err(
+        &e2b(
+            "  - connect: {sandbox: x, rpc: process.Process/Start, headers: {X-Access-Token: t}}\n",
+        ),
+        "bad.yaml:6:81: `X-Access-Token` is the step's own header: give it with the step's fields",
+    );
+    check_err(
+        &e2b(
+            "  - connect: {sandbox: x, rpc: process.Process/List, output: [{pointer: /a, equals: b}]}\n",
+        ),
+        "bad.yaml:6:73: `output` joins a whole stream: it needs `stream: true` without `until`",
+    );
+    check_err(
+        &e2b(
+            "  - connect: {sandbox: x, rpc: process.Process/Start, stream: true, output: [{pointer: /a}]}\n",
+        ),
+        "bad.yaml:6:88: an `output` check takes one of `contains` or `equals`",
+    );
+}
+
 #[test]
 fn fault_steps_parse_with_labels_and_need_their_control() {
     let text = header(

@@ -1006,7 +1006,9 @@ pub async fn kill(
     Path(id): Path<String>,
 ) -> Result<Response, E2bError> {
     let rec = owned(&state, &team, &id).await?;
-    destroy(&state, &rec).await?;
+    if !state.config.defects.has(Defect::E2bKillKeepsSandbox) {
+        destroy(&state, &rec).await?;
+    }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -385,7 +385,8 @@ pub async fn start(
         Err(e) => connect::stream_error(e),
         Ok((rec, pid)) => {
             let (response, sender) = connect::stream_response();
-            let keepalive = connect::keepalive_interval(&headers);
+            let keepalive = connect::keepalive_interval(&headers)
+                .filter(|_| !state.config.defects.has(Defect::E2bKeepaliveIgnored));
             let pty = e2b_process(&rec).is_some_and(|p| p.pty);
             let sandbox = (sbx.provider.clone(), sbx.local.clone());
             tokio::spawn(async move {
@@ -582,7 +583,8 @@ pub async fn connect_process(
         Err(e) => return connect::stream_error(e),
     };
     let (response, sender) = connect::stream_response();
-    let keepalive = connect::keepalive_interval(&headers);
+    let keepalive = connect::keepalive_interval(&headers)
+        .filter(|_| !state.config.defects.has(Defect::E2bKeepaliveIgnored));
     let loses_exit = state.config.defects.has(Defect::E2bLateConnectLosesExit);
     let sandbox = (sbx.provider.clone(), sbx.local.clone());
     tokio::spawn(async move {
@@ -755,6 +757,8 @@ pub async fn stream_input(
             .process;
         let rec = running(&state, &sbx, selector).await?;
         let on_terminal = e2b_process(&rec).is_some_and(|p| p.pty);
+        let drops = state.config.defects.has(Defect::E2bStreamInputDropsData);
+        let mut written = 0usize;
         while let Some(message) = stream.next::<StreamInputRequest>().await? {
             let _ = message.keepalive;
             if message.start.is_some() {
@@ -763,6 +767,10 @@ pub async fn stream_input(
             let Some(input) = message.data.and_then(|d| d.input) else {
                 continue;
             };
+            written += 1;
+            if drops && written > 1 {
+                continue;
+            }
             match (input.stdin, input.pty, on_terminal) {
                 (Some(stdin), None, false) => sbx
                     .provider

@@ -16,7 +16,8 @@
 //! internal processes" rule lets each delegate memory, cpu and pids to its children through
 //! `cgroup.subtree_control`. The server's own cgroup holds the server: unless it is the root
 //! (exempt from the rule) or already delegates the controllers, the kernel refuses to enable
-//! them there (EBUSY) and those limits are then not enforced, which the capabilities say.
+//! them there (EBUSY) and those limits are then not enforced, which the capabilities say. An
+//! ordinary user's server alone in its cgroup first moves itself into a leaf below it.
 
 use std::ffi::CString;
 use std::io;
@@ -156,7 +157,12 @@ impl Cgroups {
         );
         let layout = Layout::detect();
         let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-        let cgroups = Self::detect_in(&layout, &own, provider, &instance);
+        // An ordinary user's server moves itself into a leaf of its own cgroup when that is
+        // what lets the cgroup (delegated to the user) delegate the controllers; root's
+        // never does (its cgroup may be a service manager's to arrange).
+        // SAFETY: geteuid(2) has no preconditions.
+        let leaf_for = (unsafe { libc::geteuid() } != 0).then(std::process::id);
+        let cgroups = Self::detect_moving(&layout, &own, provider, &instance, leaf_for);
         tracing::debug!(
             layout = layout.kind(),
             version = cgroups.version(),
@@ -168,7 +174,23 @@ impl Cgroups {
 
     /// `detect` on a given layout, with the server's `/proc/self/cgroup` text and the name of
     /// its instance directory.
+    #[cfg(test)]
     pub(super) fn detect_in(layout: &Layout, own: &str, provider: &str, instance: &str) -> Self {
+        Self::detect_moving(layout, own, provider, instance, None)
+    }
+
+    /// [`Self::detect_in`], where the process `leaf_for` (the server) may move itself into a
+    /// leaf cgroup below its own v2 cgroup, `sandspec/<pid>-<pid namespace>-server`, when it
+    /// is alone there: the "no internal processes" rule keeps a cgroup that holds a process
+    /// from delegating controllers to its children, and a cgroup delegated to an ordinary
+    /// user (a systemd user scope, a container's) usually holds just the server.
+    pub(super) fn detect_moving(
+        layout: &Layout,
+        own: &str,
+        provider: &str,
+        instance: &str,
+        leaf_for: Option<u32>,
+    ) -> Self {
         let namespace = own_pid_namespace();
         let own = parse_own_cgroups(own);
         let prepare_v1 = |controller: &str, probe_file: &str| -> Option<Ctl> {
@@ -212,7 +234,18 @@ impl Cgroups {
                     .find(|(controllers, _)| controllers.is_empty())
                     .map(|(_, path)| path.as_str())
                     .unwrap_or_default();
+                // A provider made before this one may have moved the server into its leaf.
+                let own_path = leaf_for
+                    .and_then(|pid| {
+                        own_path.strip_suffix(&format!("/sandspec/{}", server_leaf(pid, namespace)))
+                    })
+                    .map_or(own_path, |base| if base.is_empty() { "/" } else { base });
                 provider_dir(mount, own_path, namespace, instance, provider).map(|dir| {
+                    if let Some(pid) = leaf_for
+                        && !wanted.is_empty()
+                    {
+                        move_into_leaf(mount, own_path, namespace, pid, &wanted);
+                    }
                     let enabled = enable_controllers(mount, own_path, &dir, &wanted);
                     (dir, enabled)
                 })
@@ -293,6 +326,24 @@ impl Cgroups {
             enforced.push("freezer");
         }
         enforced
+    }
+
+    /// The cgroup behind each of [`Self::enforced`]: `cgroup_v1` or `cgroup_v2`.
+    pub(super) fn enforced_by(&self) -> std::collections::BTreeMap<&'static str, &'static str> {
+        let name = |ctl: &Ctl| match ctl.version {
+            Version::V1 => "cgroup_v1",
+            Version::V2 => "cgroup_v2",
+        };
+        let mut by = std::collections::BTreeMap::new();
+        if let Some([memory, cpu, pids]) = &self.limits {
+            by.insert("memory", name(memory));
+            by.insert("cpu", name(cpu));
+            by.insert("pids", name(pids));
+        }
+        if let Some(freezer) = &self.freezer {
+            by.insert("freezer", name(freezer));
+        }
+        by
     }
 
     /// Creates the sandbox's cgroups and writes its limits. Returns `None` when this provider
@@ -424,6 +475,43 @@ fn enable_controllers(
         enabled.retain(|c| delegated.contains(c));
     }
     enabled
+}
+
+/// The name of the leaf cgroup a server moves itself into: `<pid>-<pid namespace>-server`, so
+/// that the reaping of stale instances removes it once that server is gone.
+fn server_leaf(pid: u32, namespace: u64) -> String {
+    format!("{pid}-{namespace}-server")
+}
+
+/// Moves process `pid` (the server) from its own v2 cgroup into the leaf
+/// `sandspec/<pid>-<ns>-server` below it, when its own cgroup does not delegate `wanted` yet,
+/// is not the hierarchy's root (which the rule exempts), and holds no other process (moving
+/// the server alone would not empty it). Returns whether it moved.
+fn move_into_leaf(mount: &Path, own_path: &str, namespace: u64, pid: u32, wanted: &[&str]) -> bool {
+    let base = own_base(mount, own_path);
+    let delegated = controller_list(&base.join("cgroup.subtree_control"));
+    if base == mount
+        || wanted.iter().all(|c| delegated.contains(c))
+        || members(&base) != [pid as i32]
+    {
+        return false;
+    }
+    let leaf = base.join("sandspec").join(server_leaf(pid, namespace));
+    if std::fs::create_dir_all(&leaf).is_err() {
+        return false;
+    }
+    match std::fs::write(leaf.join("cgroup.procs"), pid.to_string()) {
+        Ok(()) => {
+            tracing::info!(cgroup = %leaf.display(),
+                "the server moved into a leaf cgroup so that its own can delegate controllers");
+            true
+        }
+        Err(e) => {
+            tracing::debug!(cgroup = %leaf.display(), error = %e, "cannot move the server");
+            let _ = std::fs::remove_dir(&leaf);
+            false
+        }
+    }
 }
 
 /// `+cpu +memory +pids` for `cgroup.subtree_control`.

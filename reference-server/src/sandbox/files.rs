@@ -127,23 +127,7 @@ impl SandboxFiles {
         match &self.access {
             Access::Confined(dir) => {
                 if let Some(parent) = parent {
-                    // The directories this write makes, which are given to the sandbox's uid;
-                    // those that were there keep their owner (and see no change).
-                    let mut made = Vec::new();
-                    let mut prefix = PathBuf::new();
-                    for part in parent.components() {
-                        prefix.push(part);
-                        if !made.is_empty() || !dir.exists(&prefix) {
-                            made.push(prefix.clone());
-                        }
-                    }
-                    dir.create_dir_all(parent).map_err(map_io)?;
-                    if let Some(uid) = self.owner {
-                        for made in made {
-                            let sub = dir.open_dir(&made).map_err(map_io)?;
-                            give(&sub, uid)?;
-                        }
-                    }
+                    self.create_dirs(dir, parent)?;
                 }
                 let mut file = dir.create(&rel).map_err(map_io)?;
                 if let Some(uid) = self.owner {
@@ -313,10 +297,32 @@ impl SandboxFiles {
             Err(e) => return Err(e),
         }
         match &self.access {
-            Access::Confined(dir) => dir.create_dir_all(&rel).map_err(map_io)?,
+            Access::Confined(dir) => self.create_dirs(dir, Path::new(&rel))?,
             Access::Joined(root) => std::fs::create_dir_all(root.join(&rel)).map_err(map_io)?,
         }
         Ok(true)
+    }
+
+    /// Creates `path`'s missing directories below `dir`. Those it makes are given to the
+    /// sandbox's uid, as if its user had made them (so that its processes can write in them);
+    /// those that were there keep their owner and see no change.
+    fn create_dirs(&self, dir: &Dir, path: &Path) -> Result<(), FileError> {
+        let mut made = Vec::new();
+        let mut prefix = PathBuf::new();
+        for part in path.components() {
+            prefix.push(part);
+            if !made.is_empty() || !dir.exists(&prefix) {
+                made.push(prefix.clone());
+            }
+        }
+        dir.create_dir_all(path).map_err(map_io)?;
+        if let Some(uid) = self.owner {
+            for made in made {
+                let sub = dir.open_dir(&made).map_err(map_io)?;
+                give(&sub, uid)?;
+            }
+        }
+        Ok(())
     }
 
     /// Moves an entry, creating the destination's missing parents; an existing destination
@@ -333,7 +339,7 @@ impl SandboxFiles {
         match &self.access {
             Access::Confined(dir) => {
                 if let Some(parent) = parent {
-                    dir.create_dir_all(parent).map_err(map_io)?;
+                    self.create_dirs(dir, parent)?;
                 }
                 dir.rename(&from, dir, &to).map_err(map_io)
             }

@@ -23,7 +23,7 @@ use crate::stream::EventLog;
 
 use super::cgroup::{Cgroups, SandboxCgroup};
 use super::files::{SandboxFiles, normalize};
-use super::isolation::{self, Holder, Namespacer, SandboxView, Weakened};
+use super::isolation::{self, Holder, Namespacer, Privilege, SandboxUser, SandboxView, Weakened};
 use super::process::{self, Launch, ProcessHandle, TerminalSize, kill_group};
 use super::{ProviderError, Signal};
 
@@ -49,19 +49,31 @@ pub struct Isolation {
 pub struct IsolationReport {
     /// The namespaces every sandbox process runs in (empty: none of its own).
     pub namespaces: Vec<&'static str>,
-    /// The uid of sandbox processes inside their user namespace (each sandbox has a host uid
-    /// of its own), or `None` when they run as the server's user.
+    /// How the server makes them: `root` (the server is root; each sandbox has host uids of
+    /// its own) or `unprivileged` (user namespaces of an ordinary user; every sandbox runs
+    /// as the server's host uid); `None` without namespaces.
+    pub privilege: Option<&'static str>,
+    /// The uid of sandbox processes inside their user namespace, or `None` when they run as
+    /// the server's user.
     pub uid: Option<u32>,
+    /// The users a process may run as inside (`user`, the default, and `root`).
+    pub users: Vec<&'static str>,
+    /// Where the sandbox's files are inside, `user`'s home (`/home/user`; `/workspace` is the
+    /// same directory); `None` without namespaces (processes see the host path).
+    pub home: Option<&'static str>,
     /// `loopback`: a network namespace with only a loopback interface; `host`: none.
     pub network: &'static str,
-    /// The cgroup hierarchy the kernel enforces `enforced` through: `v1`, `v2`, or `hybrid`
-    /// (some controllers on each), else `None`.
+    /// The cgroup hierarchy the kernel enforces the cgroup limits through: `v1`, `v2`, or
+    /// `hybrid` (some controllers on each), else `None`.
     pub cgroup: Option<&'static str>,
     /// What the kernel enforces per sandbox: `memory`, `cpu`, `pids`, `freezer`.
     pub enforced: Vec<&'static str>,
+    /// The mechanism behind each of `enforced`: `cgroup_v1`, `cgroup_v2`, or (memory only)
+    /// `rlimit_data`, a per-process limit.
+    pub enforced_by: BTreeMap<&'static str, &'static str>,
     /// The most tasks a sandbox may have when `pids` is enforced.
     pub pids_max: Option<u32>,
-    /// Why there are no namespaces, when there are none.
+    /// Why there are no namespaces, with the fix, when there are none.
     pub unavailable: Option<String>,
 }
 
@@ -220,13 +232,20 @@ impl LocalProvider {
                     isolation::REQUIRE_ENV
                 )));
             }
-            tracing::warn!(provider = %config.name, %reason, "sandboxes run without namespaces");
+            // Once per server, however many providers it has: the reason names the fix.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!("sandboxes run without namespaces of their own: {reason}");
+            });
         }
         tracing::info!(
             provider = %config.name,
             cgroups = cgroups.enforces_limits(),
             freezer = cgroups.has_freezer(),
-            namespaces = namespacer.is_ok(),
+            namespaces = namespacer.as_ref().map_or("none", |n| match n.privilege() {
+                Privilege::Root => "root",
+                Privilege::Unprivileged => "unprivileged",
+            }),
             "provider ready"
         );
         Ok(Self {
@@ -264,25 +283,54 @@ impl LocalProvider {
     /// The isolation of this provider's sandboxes, as the capabilities advertise it.
     pub fn isolation_report(&self) -> IsolationReport {
         let limits = self.cgroups.enforces_limits();
-        let enforced = self.cgroups.enforced();
-        let (namespaces, uid, network, unavailable) = match &self.namespacer {
-            Ok(_) => (
-                isolation::NAMESPACES.to_vec(),
-                Some(isolation::INSIDE_UID),
-                "loopback",
-                None,
-            ),
-            Err(reason) => (Vec::new(), None, "host", Some(reason.clone())),
-        };
-        IsolationReport {
-            namespaces,
-            uid,
-            network,
+        let mut enforced = self.cgroups.enforced();
+        let mut enforced_by = self.cgroups.enforced_by();
+        if !limits {
+            // Without a memory cgroup every process gets the grant as its RLIMIT_DATA.
+            enforced.insert(0, "memory");
+            enforced_by.insert("memory", "rlimit_data");
+        }
+        let report = IsolationReport {
+            namespaces: Vec::new(),
+            privilege: None,
+            uid: None,
+            users: Vec::new(),
+            home: None,
+            network: "host",
             cgroup: self.cgroups.version(),
             enforced,
+            enforced_by,
             pids_max: limits.then_some(super::cgroup::PIDS_MAX),
-            unavailable,
+            unavailable: None,
+        };
+        match &self.namespacer {
+            Ok(namespacer) => IsolationReport {
+                namespaces: isolation::NAMESPACES.to_vec(),
+                privilege: Some(match namespacer.privilege() {
+                    Privilege::Root => "root",
+                    Privilege::Unprivileged => "unprivileged",
+                }),
+                uid: Some(isolation::INSIDE_UID),
+                users: vec!["user", "root"],
+                home: Some(isolation::HOME),
+                network: "loopback",
+                ..report
+            },
+            Err(reason) => IsolationReport {
+                unavailable: Some(reason.clone()),
+                ..report
+            },
         }
+    }
+
+    /// The size of a process's `RLIMIT_DATA`: the sandbox's memory grant, where no memory
+    /// cgroup enforces it (and no defect leaves it out).
+    fn memory_rlimit(&self, runtime: &Runtime, dir: &Path) -> io::Result<Option<u64>> {
+        if self.cgroups.enforces_limits() || self.defects.has(Defect::SandboxMemoryUnenforced) {
+            return Ok(None);
+        }
+        let grant = read_back(runtime, dir, None)?;
+        Ok(Some(grant.memory_mb.saturating_mul(1024 * 1024)))
     }
 
     /// Test control: every create waits this long before it completes.
@@ -413,29 +461,18 @@ impl LocalProvider {
         Ok(granted)
     }
 
-    /// Gives the sandbox whose files are `root` its host uid (that of its files when they
-    /// have one, else a fresh one for the whole tree) and its namespaces; `None` on a machine
-    /// without them.
+    /// Gives the sandbox whose files are `root` its namespaces (and, as root, its host uid:
+    /// that of its files when they have one, else a fresh one for the whole tree); `None` on
+    /// a machine without them.
     async fn start_namespaces(&self, root: &Path) -> io::Result<Option<Holder>> {
         let Ok(namespacer) = &self.namespacer else {
             return Ok(None);
         };
         let namespacer = namespacer.clone();
         let root = root.to_owned();
-        tokio::task::spawn_blocking(move || {
-            use std::os::unix::fs::MetadataExt as _;
-            let owner = std::fs::metadata(&root)?.uid();
-            let uid = if isolation::is_sandbox_uid(owner) {
-                owner
-            } else {
-                let uid = isolation::allocate_uid();
-                chown_tree(&root, uid)?;
-                uid
-            };
-            namespacer.start(&root, uid).map(Some)
-        })
-        .await
-        .map_err(io::Error::other)?
+        tokio::task::spawn_blocking(move || namespacer.start(&root).map(Some))
+            .await
+            .map_err(io::Error::other)?
     }
 
     /// The request rounded up to whole steps, never above the capacity (which covers it).
@@ -607,8 +644,15 @@ impl LocalProvider {
         spec: &ProcessSpec,
         sandbox_env: &BTreeMap<String, String>,
     ) -> Result<(), ProviderError> {
-        self.spawn_in(sandbox_local, record, spec, sandbox_env, None)
-            .await
+        self.spawn_with(
+            sandbox_local,
+            record,
+            spec,
+            sandbox_env,
+            None,
+            SandboxUser::User,
+        )
+        .await
     }
 
     /// Starts a process as [`LocalProvider::spawn`] does, but on a pseudo-terminal of `size`
@@ -622,17 +666,41 @@ impl LocalProvider {
         sandbox_env: &BTreeMap<String, String>,
         size: TerminalSize,
     ) -> Result<(), ProviderError> {
-        self.spawn_in(sandbox_local, record, spec, sandbox_env, Some(size))
+        self.spawn_with(
+            sandbox_local,
+            record,
+            spec,
+            sandbox_env,
+            Some(size),
+            SandboxUser::User,
+        )
+        .await
+    }
+
+    /// [`Self::spawn`] as `user` inside the sandbox (`root` needs namespaces: without them
+    /// every process runs as the server's user, and asking for root is refused).
+    pub async fn spawn_as(
+        &self,
+        sandbox_local: &str,
+        record: Record,
+        spec: &ProcessSpec,
+        sandbox_env: &BTreeMap<String, String>,
+        user: SandboxUser,
+    ) -> Result<(), ProviderError> {
+        self.spawn_with(sandbox_local, record, spec, sandbox_env, None, user)
             .await
     }
 
-    async fn spawn_in(
+    /// The general start: on a pseudo-terminal of that size when `terminal` is given, as
+    /// `user` inside the sandbox.
+    pub async fn spawn_with(
         &self,
         sandbox_local: &str,
         record: Record,
         spec: &ProcessSpec,
         sandbox_env: &BTreeMap<String, String>,
         terminal: Option<TerminalSize>,
+        user: SandboxUser,
     ) -> Result<(), ProviderError> {
         let runtime = self.runtime(sandbox_local).await?;
         let cwd = resolve_cwd(&runtime.root, spec.cwd.as_deref())?;
@@ -642,18 +710,27 @@ impl LocalProvider {
                 let rel = cwd
                     .strip_prefix(&root)
                     .map_err(|_| ProviderError::InvalidPath)?;
-                let inside = Path::new(isolation::WORKSPACE).join(rel);
+                let inside = Path::new(isolation::HOME).join(rel);
                 let inside = inside.to_string_lossy().into_owned();
                 check_program(view, spec, sandbox_env, &inside)?;
-                let enter = view.entry(&inside)?;
+                let enter = view.entry(&inside, user)?;
                 (
-                    PathBuf::from(isolation::WORKSPACE),
+                    PathBuf::from(user.home()),
                     PathBuf::from(inside),
                     Some(enter),
                 )
             }
+            None if user == SandboxUser::Root => {
+                return Err(ProviderError::InvalidArgument {
+                    param: "user",
+                    detail: "this server's sandboxes have no namespaces of their own, so no \
+                             process can run as their root"
+                        .into(),
+                });
+            }
             None => (std::fs::canonicalize(&runtime.root)?, cwd, None),
         };
+        let memory_limit = self.memory_rlimit(&runtime, &self.sandbox_dir(sandbox_local)?)?;
         let launch = Launch {
             home,
             cwd,
@@ -663,6 +740,7 @@ impl LocalProvider {
                 .as_ref()
                 .map(|cg| cg.procs_files(self.defects.has(Defect::SandboxMemoryUnenforced)))
                 .unwrap_or_default(),
+            memory_limit,
             log: self.log.clone(),
             max_output_bytes: self.max_output_bytes,
             output_retention: self.output_retention,
@@ -1057,18 +1135,6 @@ fn resolve_cwd(root: &Path, cwd: Option<&str>) -> Result<PathBuf, ProviderError>
     Ok(full)
 }
 
-/// Gives `root` and everything below it (symlinks themselves, not their targets) to `uid`.
-fn chown_tree(root: &Path, uid: u32) -> io::Result<()> {
-    std::os::unix::fs::lchown(root, Some(uid), Some(uid))?;
-    if !std::fs::symlink_metadata(root)?.is_dir() {
-        return Ok(());
-    }
-    for entry in std::fs::read_dir(root)? {
-        chown_tree(&entry?.path(), uid)?;
-    }
-    Ok(())
-}
-
 /// Refuses, before anything starts, a command whose program the sandbox does not have, as
 /// spawning it directly would (the process's `PATH` is searched in the sandbox's view).
 fn check_program(
@@ -1082,7 +1148,7 @@ fn check_program(
         return Ok(());
     };
     let runnable = |inside: &Path| {
-        std::fs::metadata(view.view_path(&inside.to_string_lossy()))
+        view.metadata(&inside.to_string_lossy())
             .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     };
     let found = if program.contains('/') {

@@ -15,7 +15,7 @@ mod provider;
 pub use files::{
     DirWatch, EntryStat, FileEntry, FileError, SandboxFiles, WatchEvent, WriteOutcome,
 };
-pub use isolation::REQUIRE_ENV as REQUIRE_ISOLATION_ENV;
+pub use isolation::{REQUIRE_ENV as REQUIRE_ISOLATION_ENV, SandboxUser};
 pub use local::{Isolation, IsolationReport, LocalProvider, Usage};
 pub use process::TerminalSize;
 pub use provider::{ProviderError, Signal};

@@ -52,6 +52,9 @@ pub(super) struct Launch {
     pub(super) enter: Option<Entry>,
     /// `cgroup.procs` files the child writes itself into before it execs.
     pub(super) cgroup_procs: Vec<CString>,
+    /// Where no memory cgroup enforces the sandbox's grant: its size in bytes, which the
+    /// child sets as its `RLIMIT_DATA` (soft and hard) before it execs.
+    pub(super) memory_limit: Option<u64>,
     pub(super) log: EventLog,
     pub(super) max_output_bytes: u64,
     pub(super) output_retention: Duration,
@@ -333,6 +336,23 @@ pub(super) fn spawn(
                     join_cgroup(path)?;
                 }
                 Ok(())
+            });
+        }
+    }
+    if let Some(bytes) = launch.memory_limit {
+        let limit = libc::rlimit {
+            rlim_cur: bytes,
+            rlim_max: bytes,
+        };
+        // SAFETY: setrlimit(2) is async-signal-safe and reads a struct copied into the
+        // closure before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setrlimit(libc::RLIMIT_DATA, &limit) == 0 {
+                    Ok(())
+                } else {
+                    Err(io::Error::last_os_error())
+                }
             });
         }
     }

@@ -42,6 +42,10 @@ pub struct Connect {
     /// The request message; `{}` when absent.
     #[serde(default, deserialize_with = "present")]
     pub message: Option<Located<serde_json::Value>>,
+    /// A client stream's messages (`process.Process/StreamInput`), sent as envelopes in
+    /// order in one request body; instead of `message`, with `stream: true`.
+    #[serde(default)]
+    pub messages: Option<Located<Vec<serde_json::Value>>>,
     /// The sandbox's envd access token (`X-Access-Token`), for a secure sandbox.
     #[serde(default)]
     pub access_token: Option<Template>,
@@ -69,6 +73,23 @@ pub struct Connect {
     /// pointer resolves in (a stream).
     #[serde(default)]
     pub capture: BTreeMap<String, Located<Capture>>,
+    /// Checks on a stream's output as a whole: the protobuf `bytes` (base64) at `pointer` in
+    /// every message that has one, decoded and joined in order, as an SDK joins a process's
+    /// output (which can arrive in any chunks).
+    #[serde(default)]
+    pub output: Vec<OutputCheck>,
+}
+
+/// A check on a stream's joined output: it `contains` or `equals` a text.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputCheck {
+    /// Where each message carries its bytes, e.g. `/event/data/stdout`.
+    pub pointer: Located<String>,
+    #[serde(default)]
+    pub contains: Option<Template>,
+    #[serde(default)]
+    pub equals: Option<Template>,
 }
 
 impl StepKind for Connect {
@@ -135,6 +156,39 @@ impl StepKind for Connect {
         for check in &self.until {
             c.json_check(check, scope, ctx);
         }
+        if let Some(messages) = &self.messages {
+            if self.message.is_some() {
+                c.err(
+                    Pos::of(messages),
+                    "give `message` (one) or `messages` (a client stream), not both",
+                );
+            }
+            if !self.stream {
+                c.err(
+                    Pos::of(messages),
+                    "`messages` is a client stream: it needs `stream: true`",
+                );
+            }
+            if messages.value.is_empty() {
+                c.err(Pos::of(messages), "`messages` needs at least one message");
+            }
+        }
+        for check in &self.output {
+            let pos = Pos::of(&check.pointer);
+            if !self.stream || !self.until.is_empty() {
+                c.err(
+                    pos,
+                    "`output` joins a whole stream: it needs `stream: true` without `until`",
+                );
+            }
+            if !check.pointer.value.starts_with('/') {
+                c.err(pos, "`output` pointer must start with `/`");
+            }
+            match (&check.contains, &check.equals) {
+                (Some(t), None) | (None, Some(t)) => c.template(t, scope, ctx),
+                _ => c.err(pos, "an `output` check takes one of `contains` or `equals`"),
+            }
+        }
         for (name, cap) in &self.capture {
             if cap.value.json.is_none()
                 || cap.value.header.is_some()
@@ -171,14 +225,24 @@ impl StepKind for Connect {
 impl Ctx<'_> {
     async fn connect(&mut self, c: &Connect, label: &str) -> Result<(), StepError> {
         let sandbox = self.vars.render(&c.sandbox)?;
-        let message = match &c.message {
-            Some(m) => self.vars.render_json(&m.value)?,
-            None => Value::Object(Default::default()),
+        let messages = match (&c.messages, &c.message) {
+            (Some(list), _) => list
+                .value
+                .iter()
+                .map(|m| self.vars.render_json(m))
+                .collect::<Result<Vec<_>, _>>()?,
+            (None, Some(m)) => vec![self.vars.render_json(&m.value)?],
+            (None, None) => vec![Value::Object(Default::default())],
         };
-        let json = serde_json::to_vec(&message).expect("JSON values serialize");
         let (body, content_type) = if c.stream {
-            (connect::envelope(0, &json), "application/connect+json")
+            let mut body = Vec::new();
+            for m in &messages {
+                let json = serde_json::to_vec(m).expect("JSON values serialize");
+                body.extend(connect::envelope(0, &json));
+            }
+            (body, "application/connect+json")
         } else {
+            let json = serde_json::to_vec(&messages[0]).expect("JSON values serialize");
             (json, "application/json")
         };
         let mut headers = vec![
@@ -300,6 +364,13 @@ impl Ctx<'_> {
                 });
             }
         }
+        for check in &c.output {
+            match self.output_check(check, &messages) {
+                Ok(()) => {}
+                Err(StepError::Fail(why)) => failures.push(why),
+                Err(other) => return Err(other),
+            }
+        }
         if !failures.is_empty() {
             return Err(StepError::Fail(failures.join("; ")));
         }
@@ -315,6 +386,59 @@ impl Ctx<'_> {
                 self.secrets.push(crate::engine::vars::scalar_text(&value));
             }
             self.vars.captures.insert(name.clone(), value);
+        }
+        Ok(())
+    }
+
+    /// One `output` check over a stream's messages.
+    fn output_check(&self, check: &OutputCheck, messages: &[Value]) -> Result<(), StepError> {
+        use base64::Engine as _;
+        let pointer = &check.pointer.value;
+        let mut joined = Vec::new();
+        for (i, m) in messages.iter().enumerate() {
+            let Some(value) = m.pointer(pointer) else {
+                continue;
+            };
+            let text = value.as_str().ok_or_else(|| {
+                StepError::Fail(format!(
+                    "message {i}: {pointer} is not base64 bytes: {value}"
+                ))
+            })?;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(text)
+                .map_err(|e| {
+                    StepError::Fail(format!("message {i}: {pointer} is not base64: {e}"))
+                })?;
+            joined.extend(bytes);
+        }
+        let joined = String::from_utf8_lossy(&joined);
+        let shown = || {
+            let mut s: String = joined.chars().take(300).collect();
+            if joined.chars().count() > 300 {
+                s.push('…');
+            }
+            format!("{s:?}")
+        };
+        match (&check.contains, &check.equals) {
+            (Some(t), _) => {
+                let want = self.vars.render(t)?;
+                if !joined.contains(&want) {
+                    return Err(StepError::Fail(format!(
+                        "the output at {pointer} does not contain {want:?}: {}",
+                        shown()
+                    )));
+                }
+            }
+            (None, Some(t)) => {
+                let want = self.vars.render(t)?;
+                if joined != want {
+                    return Err(StepError::Fail(format!(
+                        "the output at {pointer} is {}, expected {want:?}",
+                        shown()
+                    )));
+                }
+            }
+            (None, None) => {}
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use crate::engine::context::{
     CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
-use crate::profile::e2b::{ENVD_PORT, sandbox_route};
+use crate::profile::e2b::{ENVD_PORT, file_signature, port_route};
 use crate::scenario::{
     Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
     first_line, present,
@@ -34,10 +34,11 @@ pub struct Request {
     /// it: the routing headers on the target's URL, or E2B's host form with `--envd-domain`.
     #[serde(default)]
     pub envd: Option<Template>,
-    /// With `envd`: the port of the sandbox the request is routed to (`E2b-Sandbox-Port`, or
-    /// the host form's label), envd's 49983 unless given; the code interpreter's is 49999.
+    /// With `envd`: another port of that sandbox, reached as the SDK's `get_host` names it
+    /// (the routing headers with that port, or `<port>-<sandbox>.<domain>`); the code
+    /// interpreter's service is on 49999.
     #[serde(default)]
-    pub port: Option<u16>,
+    pub port: Option<Located<u16>>,
     /// Read the response for at most this many milliseconds from when the request is sent,
     /// then close the connection, as a client that goes away does; the expectations judge
     /// what was read by then (a body that ends sooner is read whole).
@@ -70,6 +71,25 @@ pub struct Request {
     /// Sign the request as a worker of the private bridge does (protocol §8.8).
     #[serde(default)]
     pub bridge_signature: Option<BridgeSignature>,
+    /// E2B profile: sign a `/files` request as the SDK's `download_url` and `upload_url` do,
+    /// with the sandbox's access token instead of sending it.
+    #[serde(default)]
+    pub envd_signature: Option<EnvdSignature>,
+}
+
+/// What an envd file URL signs (`signature` and `signature_expiration` in its query): the
+/// path and user as the query names them, the operation, the token and the expiry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvdSignature {
+    /// `read` (a download) or `write` (an upload).
+    pub operation: Located<String>,
+    /// The sandbox's envd access token: a capture marked `secret: true`.
+    pub token: Template,
+    /// The signature expires this many seconds from now (negative: already expired); none
+    /// without.
+    #[serde(default)]
+    pub expires_in_s: Option<i64>,
 }
 
 /// How to sign a bridge request: `X-Sandspec-Timestamp` (now) and `X-Sandspec-Signature` over
@@ -115,10 +135,12 @@ impl Request {
                 );
             }
         }
-        if r.port.is_some() && r.envd.is_none() {
+        if let Some(port) = &r.port
+            && r.envd.is_none()
+        {
             c.err(
-                r.path.pos,
-                "`port` is a port of the sandbox that `envd` names: give `envd` too",
+                Pos::of(port),
+                "`port` is a port of the sandbox `envd` names: give `envd` too",
             );
         }
         if r.leave_after_ms == Some(0) || (in_parallel && r.leave_after_ms.is_some()) {
@@ -147,6 +169,29 @@ impl Request {
         }
         if let Some(b) = &r.body_base64 {
             c.base64(b);
+        }
+        if let Some(sign) = &r.envd_signature {
+            c.template(&sign.token, scope, ctx);
+            if !matches!(sign.operation.value.as_str(), "read" | "write") {
+                c.err(
+                    Pos::of(&sign.operation),
+                    "an envd signature's operation is `read` or `write`",
+                );
+            }
+            if r.envd.is_none() {
+                c.err(
+                    sign.token.pos,
+                    "`envd_signature` signs an envd request: give `envd`",
+                );
+            }
+            for own in ["signature", "signature_expiration"] {
+                if r.query.contains_key(own) {
+                    c.err(
+                        sign.token.pos,
+                        format!("`envd_signature` sets `{own}`; do not give it in `query`"),
+                    );
+                }
+            }
         }
         if let Some(sign) = &r.bridge_signature {
             c.template(&sign.secret, scope, ctx);
@@ -297,6 +342,32 @@ impl Ctx<'_> {
             }
             headers.push((k.clone(), self.vars.render(v)?));
         }
+        if let Some(sign) = &r.envd_signature {
+            let token = self.vars.render(&sign.token)?;
+            let value_of = |name: &str| {
+                query
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map_or("", |(_, v)| v.as_str())
+            };
+            let expiration = sign
+                .expires_in_s
+                .map(|s| time::OffsetDateTime::now_utc().unix_timestamp() + s);
+            let signature = file_signature(
+                value_of("path"),
+                &sign.operation.value,
+                value_of("username"),
+                &token,
+                expiration,
+            );
+            query.push(("signature".to_owned(), signature));
+            if let Some(e) = expiration {
+                query.push(("signature_expiration".to_owned(), e.to_string()));
+            }
+            if !self.secrets.contains(&token) {
+                self.secrets.push(token);
+            }
+        }
         let body = if let Some(json) = &r.json {
             let value = self.vars.render_json(&json.value)?;
             Some((
@@ -321,11 +392,8 @@ impl Ctx<'_> {
         let mut envd_host = None;
         if let Some(sandbox) = &r.envd {
             let sandbox = self.vars.render(sandbox)?;
-            let (host, routing) = sandbox_route(
-                &sandbox,
-                r.port.unwrap_or(ENVD_PORT),
-                self.target.envd_domain.as_deref(),
-            );
+            let port = r.port.as_ref().map_or(ENVD_PORT, |p| p.value);
+            let (host, routing) = port_route(&sandbox, port, self.target.envd_domain.as_deref());
             envd_host = host;
             headers.extend(routing);
         }

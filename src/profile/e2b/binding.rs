@@ -45,13 +45,13 @@ pub fn envd_route(
     sandbox: &str,
     envd_domain: Option<&str>,
 ) -> (Option<String>, Vec<(String, String)>) {
-    sandbox_route(sandbox, ENVD_PORT, envd_domain)
+    port_route(sandbox, ENVD_PORT, envd_domain)
 }
 
-/// How a request reaches `port` of `sandbox`, as [`envd_route`] reaches envd's: at
-/// `https://<port>-<sandbox>.<domain>` with an envd domain, else with the routing headers
-/// naming that port (the code interpreter's service is on 49999).
-pub fn sandbox_route(
+/// How a port of a sandbox is reached, as the SDK's `get_host` names it: at
+/// `https://<port>-<sandbox>.<domain>` with an envd domain, else on the target's own URL with
+/// the routing headers for that port.
+pub fn port_route(
     sandbox: &str,
     port: u16,
     envd_domain: Option<&str>,
@@ -69,6 +69,29 @@ pub fn sandbox_route(
             ],
         ),
     }
+}
+
+/// envd's v1 signature of a file URL, as the SDK's `download_url` and `upload_url` make it:
+/// `v1_` and the unpadded base64 of SHA-256 over `path:operation:user:token`, with
+/// `:expiration` (Unix seconds) when the URL expires.
+pub fn file_signature(
+    path: &str,
+    operation: &str,
+    user: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let mut raw = format!("{path}:{operation}:{user}:{token}");
+    if let Some(e) = expiration {
+        raw.push_str(&format!(":{e}"));
+    }
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 /// The E2B profile.
@@ -276,6 +299,20 @@ mod tests {
                 &serde_json::json!({"id": "x"})
             )
             .is_empty()
+        );
+    }
+
+    /// The values the SDK's `get_signature` gives for the same fields (computed with
+    /// Python's hashlib and base64, as it does).
+    #[test]
+    fn file_signatures_are_envds_v1() {
+        assert_eq!(
+            file_signature("signed.txt", "read", "", "tok", None),
+            "v1_naf9vweu1UYYFJNcvUcv3mEgsh+/LghSuKF2ljfQUCI"
+        );
+        assert_eq!(
+            file_signature("signed.txt", "write", "user", "tok", Some(1_700_000_000)),
+            "v1_y8mcbFWSQQgpZIRQqxHrl3YQmoJlsR/PzPneNqaHTdY"
         );
     }
 

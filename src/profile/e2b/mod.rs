@@ -5,7 +5,7 @@ mod binding;
 mod journeys;
 mod router;
 
-pub use binding::{CLAUSES, E2b, ENVD_PORT, envd_route, sandbox_route};
+pub use binding::{CLAUSES, E2b, ENVD_PORT, envd_route, file_signature, port_route};
 pub(super) use binding::{api_key, created, sweep_older_than, sweep_run};
 pub use journeys::JOURNEYS;
 pub use router::{DOMAIN, Router};

@@ -240,6 +240,100 @@ fn where_the_server_cgroup_refuses_to_delegate_only_the_freezer_is_used() {
     assert!(!sandbox.join("memory.max").exists(), "no limit is written");
 }
 
+/// An ordinary user's server alone in its v2 cgroup (a delegated scope) moves into a leaf
+/// below it, so that its cgroup can delegate the controllers; a later provider of the same
+/// server, which then finds itself in that leaf, works from the same cgroup.
+#[test]
+fn a_server_alone_in_its_delegated_cgroup_moves_into_a_leaf() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mount = tmp.path();
+    let scope = "user.slice/user@1000.service/app.slice/run.scope";
+    fake_v2_chain(mount, scope, "cpu memory pids");
+    let pid = std::process::id();
+    std::fs::write(mount.join(scope).join("cgroup.procs"), format!("{pid}\n")).unwrap();
+    let own = format!("0::/{scope}\n");
+    let layout = Layout::at(mount);
+    let cgroups = Cgroups::detect_moving(&layout, &own, "local", INSTANCE, Some(pid));
+    let leaf = mount
+        .join(scope)
+        .join("sandspec")
+        .join(server_leaf(pid, own_pid_namespace()));
+    assert_eq!(read(&leaf.join("cgroup.procs")), pid.to_string());
+    assert!(cgroups.enforces_limits());
+    assert_eq!(
+        cgroups.enforced_by().get("memory").copied(),
+        Some("cgroup_v2")
+    );
+
+    let second = mount
+        .join(scope)
+        .join("sandspec")
+        .join(INSTANCE)
+        .join("local-b");
+    fake_cgroup(
+        &second,
+        &[
+            ("cgroup.controllers", "cpu memory pids"),
+            ("cgroup.subtree_control", ""),
+            ("cgroup.freeze", "0"),
+            ("memory.max", "max"),
+            ("cpu.max", "max 100000"),
+            ("pids.max", "max"),
+        ],
+    );
+    let in_leaf = format!(
+        "0::/{scope}/sandspec/{}\n",
+        server_leaf(pid, own_pid_namespace())
+    );
+    let b = Cgroups::detect_moving(&layout, &in_leaf, "local-b", INSTANCE, Some(pid));
+    assert!(b.enforces_limits());
+    assert_eq!(b.provider_dirs(), [&second]);
+}
+
+/// The server stays where it is when it shares its cgroup with another process, when its
+/// cgroup is the hierarchy's root, and as root.
+#[test]
+fn a_server_with_company_or_at_the_root_does_not_move() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mount = tmp.path();
+    fake_v2_chain(mount, "session.scope", "cpu memory pids");
+    let pid = std::process::id();
+    std::fs::write(
+        mount.join("session.scope/cgroup.procs"),
+        format!("{pid}\n1\n"),
+    )
+    .unwrap();
+    let leaves = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir.join("sandspec"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.ends_with("-server"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let layout = Layout::at(mount);
+    Cgroups::detect_moving(&layout, "0::/session.scope\n", "local", INSTANCE, Some(pid));
+    assert_eq!(leaves(&mount.join("session.scope")), Vec::<String>::new());
+
+    std::fs::write(mount.join("session.scope/cgroup.procs"), format!("{pid}\n")).unwrap();
+    Cgroups::detect_moving(&layout, "0::/session.scope\n", "local", INSTANCE, None);
+    assert_eq!(leaves(&mount.join("session.scope")), Vec::<String>::new());
+
+    let root = tempfile::tempdir().unwrap();
+    fake_v2_chain(root.path(), "", "cpu memory pids");
+    std::fs::write(root.path().join("cgroup.procs"), format!("{pid}\n")).unwrap();
+    Cgroups::detect_moving(
+        &Layout::at(root.path()),
+        "0::/\n",
+        "local",
+        INSTANCE,
+        Some(pid),
+    );
+    assert_eq!(leaves(root.path()), Vec::<String>::new());
+}
+
 #[test]
 fn on_hybrid_each_controller_comes_from_the_hierarchy_holding_it() {
     let tmp = tempfile::tempdir().unwrap();

@@ -112,6 +112,18 @@ impl Fixture {
         spec: ProcessSpec,
         env: &BTreeMap<String, String>,
     ) -> Result<String, ProviderError> {
+        self.try_start_as(sandbox, spec, env, SandboxUser::User)
+            .await
+    }
+
+    /// [`Self::try_start`] as `user` of the sandbox.
+    async fn try_start_as(
+        &self,
+        sandbox: &str,
+        spec: ProcessSpec,
+        env: &BTreeMap<String, String>,
+        user: SandboxUser,
+    ) -> Result<String, ProviderError> {
         let local = self.provider.allocate_local_id(IdKind::Process);
         let id = format!("local:{local}");
         let process = Process {
@@ -139,7 +151,9 @@ impl Fixture {
             due_at: None,
         };
         self.store.insert(&record).await.unwrap();
-        self.provider.spawn(sandbox, record, &spec, env).await?;
+        self.provider
+            .spawn_as(sandbox, record, &spec, env, user)
+            .await?;
         Ok(id)
     }
 
@@ -692,7 +706,7 @@ async fn cwd_and_env() {
     let id = f.try_start(&local, pwd, &sandbox_env).await.unwrap();
     let (events, _) = f.wait_exit(&id).await;
     let root = if f.provider.isolation_report().uid.is_some() {
-        PathBuf::from(super::isolation::WORKSPACE)
+        PathBuf::from(super::isolation::HOME)
     } else {
         std::fs::canonicalize(f.root(&local)).unwrap()
     };
@@ -1077,12 +1091,127 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// A process runs as the sandbox's `user` unless asked to run as its `root`, each with its
+/// home; without namespaces of its own a sandbox has no root to run as.
+#[tokio::test]
+async fn a_process_runs_as_the_sandbox_user_or_as_its_root() {
+    let f = fixture().await;
+    let local = f.sandbox().await;
+    let script = sh("echo $(id -u) $(whoami) $HOME $PWD");
+    if f.provider.isolation_report().uid.is_none() {
+        let refused = f
+            .try_start_as(&local, script, &BTreeMap::new(), SandboxUser::Root)
+            .await;
+        assert!(
+            matches!(
+                refused,
+                Err(ProviderError::InvalidArgument { param: "user", .. })
+            ),
+            "{refused:?}"
+        );
+        return;
+    }
+    for (user, want) in [
+        (SandboxUser::User, "1000 user /home/user /home/user"),
+        (SandboxUser::Root, "0 root /root /home/user"),
+    ] {
+        let id = f
+            .try_start_as(&local, script.clone(), &BTreeMap::new(), user)
+            .await
+            .unwrap();
+        let (events, record) = f.wait_exit(&id).await;
+        assert_eq!(output_of(&events, "stdout").trim(), want, "{user:?}");
+        assert_eq!(record.state, "exited");
+    }
+    f.provider.destroy(&local).await.unwrap();
+}
+
+/// Directories the server makes for the sandbox (a write's parents, `make_dir`, a move's
+/// new parents) belong to the sandbox's user, as if it had made them: its processes can
+/// create files in them. Those that were there keep their owner.
+#[tokio::test]
+async fn directories_the_server_makes_are_the_sandbox_users() {
+    let f = fixture().await;
+    let local = f.sandbox().await;
+    let files = f.provider.files(&local).unwrap();
+    assert!(files.make_dir("made/by/make_dir").unwrap());
+    files.write("made/by/write/file.txt", b"x").unwrap();
+    files.write("moved.txt", b"y").unwrap();
+    files
+        .rename("moved.txt", "made/by/rename/moved.txt")
+        .unwrap();
+    let script = sh(
+        "for d in made/by/make_dir made/by/write made/by/rename made; do touch $d/mine || exit 1; done; echo ok",
+    );
+    let id = f
+        .try_start_as(&local, script, &BTreeMap::new(), SandboxUser::User)
+        .await
+        .unwrap();
+    let (events, record) = f.wait_exit(&id).await;
+    assert_eq!(
+        output_of(&events, "stdout").trim(),
+        "ok",
+        "stderr: {}",
+        output_of(&events, "stderr")
+    );
+    assert_eq!(record.body["exit_code"], 0);
+    f.provider.destroy(&local).await.unwrap();
+}
+
+/// Without a memory cgroup every process gets the sandbox's grant as its data limit (soft
+/// and hard, so it cannot raise it): an allocation beyond it fails.
+#[tokio::test]
+async fn without_a_memory_cgroup_the_grant_is_each_processs_data_limit() {
+    let f = fixture_with(Defects::none(), false, |_| {}).await;
+    let report = f.provider.isolation_report();
+    assert_eq!(report.enforced_by.get("memory"), Some(&"rlimit_data"));
+    assert!(report.enforced.contains(&"memory"));
+    let local = f.provider.allocate_local_id(IdKind::Sandbox);
+    f.provider
+        .create(&local, &res(1.0, 128), None)
+        .await
+        .unwrap();
+    let id = f
+        .start(
+            &local,
+            sh("ulimit -d; ulimit -H -d; ulimit -d unlimited 2>/dev/null || echo kept"),
+        )
+        .await;
+    let (events, _) = f.wait_exit(&id).await;
+    assert_eq!(output_of(&events, "stdout"), "131072\n131072\nkept\n");
+    let id = f
+        .start(
+            &local,
+            spec(&[
+                "python3",
+                "-c",
+                "b = bytearray(256 * 1024 * 1024); print(len(b))",
+            ]),
+        )
+        .await;
+    let (events, record) = f.wait_exit(&id).await;
+    assert_eq!(output_of(&events, "stdout"), "");
+    assert!(output_of(&events, "stderr").contains("MemoryError"));
+    assert_eq!(record.body["exit_code"], 1);
+    f.provider.destroy(&local).await.unwrap();
+}
+
 #[cfg(feature = "defects")]
 mod defects {
     use super::*;
 
     fn with(name: &str) -> Defects {
         Defects::parse([name]).unwrap()
+    }
+
+    #[tokio::test]
+    async fn sandbox_memory_unenforced_leaves_the_data_limit_out() {
+        let f = fixture_with(with("sandbox-memory-unenforced"), false, |_| {}).await;
+        let local = f.sandbox().await;
+        let id = f.start(&local, sh("ulimit -d")).await;
+        let (events, _) = f.wait_exit(&id).await;
+        assert_eq!(output_of(&events, "stdout"), "unlimited\n");
+        f.provider.destroy(&local).await.unwrap();
     }
 
     #[tokio::test]
@@ -1188,10 +1317,9 @@ async fn the_first_process_sees_the_parent_as_it_stays() {
         .collect();
     held.sort();
     if f.provider.isolation_report().uid.is_some() {
-        // In namespaces of its own the sandbox's `..` is its own root: the bookkeeping is
-        // not in view at all.
-        assert!(seen.contains(&"workspace".to_owned()), "seen: {seen:?}");
-        assert!(!seen.contains(&"procs".to_owned()), "seen: {seen:?}");
+        // In namespaces of its own the sandbox's `..` is its own `/home`: the bookkeeping
+        // is not in view at all.
+        assert_eq!(seen, ["user"]);
     } else {
         assert!(seen.contains(&"procs".to_owned()), "seen: {seen:?}");
         assert_eq!(seen, held);
