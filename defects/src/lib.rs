@@ -251,6 +251,11 @@ pub enum Defect {
     /// `sandspec mcp` leaves running the sandbox of a create still in flight when the session
     /// ended.
     McpLateCreateLeaks,
+    /// `sandspec mcp` runs a command in another sandbox the session created, not the one the
+    /// call names.
+    McpRunsElsewhere,
+    /// `sandspec mcp` leaves running the sandbox it made for a command that named none.
+    McpRunLeavesSandbox,
     /// The host's whole filesystem is mounted read-only at `/host` inside every sandbox.
     SandboxSeesHostFiles,
     /// Sandboxes share the host's `/tmp`, writable, instead of a private one each.
@@ -373,6 +378,8 @@ impl Defect {
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
         Defect::McpLateCreateLeaks,
+        Defect::McpRunsElsewhere,
+        Defect::McpRunLeavesSandbox,
         Defect::SandboxSeesHostFiles,
         Defect::SandboxSharesHostTmp,
         Defect::SandboxSeesHostProcesses,
@@ -491,6 +498,8 @@ impl Defect {
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
             Defect::McpLateCreateLeaks => "mcp-late-create-leaks",
+            Defect::McpRunsElsewhere => "mcp-runs-elsewhere",
+            Defect::McpRunLeavesSandbox => "mcp-run-leaves-sandbox",
             Defect::SandboxSeesHostFiles => "sandbox-sees-host-files",
             Defect::SandboxSharesHostTmp => "sandbox-shares-host-tmp",
             Defect::SandboxSeesHostProcesses => "sandbox-sees-host-processes",
@@ -669,6 +678,12 @@ impl Defect {
             }
             Defect::McpLateCreateLeaks => {
                 "MCP: a create still in flight when the session ends leaves its sandbox running"
+            }
+            Defect::McpRunsElsewhere => {
+                "MCP: a command runs in another sandbox than the one the call names"
+            }
+            Defect::McpRunLeavesSandbox => {
+                "MCP: a command that names no sandbox leaves the sandbox made for it running"
             }
             Defect::SandboxSeesHostFiles => "the host's files are visible inside sandboxes",
             Defect::SandboxSharesHostTmp => "sandboxes share the host's /tmp",
