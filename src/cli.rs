@@ -162,6 +162,25 @@ pub struct RunArgs {
     /// body (`30s`, `2m`); a stream waits as long as its step declares.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_timeout)]
     pub request_timeout: std::time::Duration,
+    /// The most a response body may hold, an event stream's and a Connect stream's included
+    /// (`65536`, `64K`, `16M`, `1G`): read as it arrives, the step that reads more fails, with
+    /// the size, and its connection is closed [default: 64M].
+    #[arg(long, value_name = "BYTES", value_parser = crate::target::parse_size)]
+    pub max_body_bytes: Option<u64>,
+    /// The most one SSE line or event, one Connect message or one MCP message may hold
+    /// [default: 16M].
+    #[arg(long, value_name = "BYTES", value_parser = crate::target::parse_size)]
+    pub max_event_bytes: Option<u64>,
+    /// Sandboxes the run may hold at once (an account's limit): a scenario starts only when
+    /// what its steps may create fits beside those running, and one that may hold more than N
+    /// is skipped.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sandboxes: Option<u64>,
+    /// Sandbox-seconds the run may use (what a platform bills): once its sandboxes have been
+    /// held that long in all, no further scenario starts; the running ones finish and clean
+    /// up, the run is swept, and its verdict says the budget ended it.
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sandbox_seconds: Option<u64>,
     /// Allow a target that is not on loopback without asking: a live run against a real
     /// deployment, whose resources are tagged with the run ID and swept at the end.
     #[arg(long, requires = "target")]
@@ -223,9 +242,23 @@ pub struct SweepArgs {
     /// List what would be removed without removing it.
     #[arg(long)]
     pub dry_run: bool,
+    /// The most a list's answer may hold (`16M`, `1G`) [default: 64M].
+    #[arg(long, value_name = "BYTES", value_parser = crate::target::parse_size)]
+    pub max_body_bytes: Option<u64>,
     /// Allow a target that is not on loopback without asking.
     #[arg(long)]
     pub live: bool,
+}
+
+impl RunArgs {
+    /// The caps on what the target sends, from `--max-body-bytes` and `--max-event-bytes`.
+    pub fn read_limits(&self) -> crate::target::ReadLimits {
+        let default = crate::target::ReadLimits::default();
+        crate::target::ReadLimits {
+            body: self.max_body_bytes.unwrap_or(default.body),
+            event: self.max_event_bytes.unwrap_or(default.event),
+        }
+    }
 }
 
 /// `--max-wait`: the wait budget of one scenario; `None` waits everything out.

@@ -282,6 +282,39 @@ pub fn why(conn: &Conn<'_>, e: &reqwest::Error) -> String {
     }
 }
 
+/// `GET url` with `credential` for a sweep: the answer's headers and its body as JSON, read
+/// under the run's caps; any other answer than a 2xx with a JSON body is the error, in the
+/// words the engine uses (`what` names the request, e.g. `GET /v1/sandboxes`).
+pub async fn get_json(
+    conn: &Conn<'_>,
+    credential: (&str, &str),
+    url: reqwest::Url,
+    what: &str,
+) -> Result<(reqwest::header::HeaderMap, Value), String> {
+    let request = conn
+        .client
+        .get(url)
+        .header(credential.0, credential.1)
+        .timeout(conn.request_timeout);
+    let response = crate::target::send_patiently(request, conn.usage)
+        .await
+        .map_err(|e| format!("{what}: {}", why(conn, &e)))?;
+    if !response.status().is_success() {
+        return Err(format!("{what}: status {}", response.status()));
+    }
+    let headers = response.headers().clone();
+    let body = crate::target::read_body(response, conn.limits, None)
+        .await
+        .map_err(|e| match e {
+            crate::target::ReadError::Transport(e) => format!("{what}: {}", why(conn, &e)),
+            e => format!("{what}: {e}"),
+        })?;
+    conn.usage.received(body.len() as u64);
+    let json = serde_json::from_slice(&body)
+        .map_err(|_| format!("{what}: the answer is not JSON ({} bytes)", body.len()))?;
+    Ok((headers, json))
+}
+
 /// The `sandspec_run` tag in a record's own `metadata`, if it has one.
 pub fn tag_of(record: &Value) -> Option<&str> {
     record.get("metadata")?.get(RUN_TAG)?.as_str()
@@ -291,28 +324,30 @@ pub fn tag_of(record: &Value) -> Option<&str> {
 /// time, [`gone_within`], for a delete that completes in the background).
 pub async fn remove(conn: &Conn<'_>, credential: &(&'static str, String), path: &str) -> bool {
     let url = format!("{}{path}", conn.base_url);
-    let deleted = conn
+    let delete = conn
         .client
         .delete(&url)
         .header(credential.0, credential.1.as_str())
-        .timeout(conn.request_timeout)
-        .send()
-        .await;
+        .timeout(conn.request_timeout);
+    let deleted = crate::target::send_patiently(delete, conn.usage).await;
     if !matches!(deleted, Ok(r) if r.status().is_success() || r.status().as_u16() == 404) {
         return false;
     }
     let since = std::time::Instant::now();
     loop {
-        let status = conn
+        let get = conn
             .client
             .get(&url)
             .header(credential.0, credential.1.as_str())
-            .timeout(conn.request_timeout)
-            .send()
+            .timeout(conn.request_timeout);
+        let status = crate::target::send_patiently(get, conn.usage)
             .await
             .map(|r| r.status().as_u16());
         match status {
-            Ok(404) => return true,
+            Ok(404) => {
+                conn.usage.gone(path);
+                return true;
+            }
             Ok(_) if since.elapsed() < gone_within(path) => {
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }

@@ -30,6 +30,8 @@ pub struct ScenarioReport {
     pub swept: Vec<Leftover>,
     /// The faults the scenario injected, with what was checked after each.
     pub faults: Vec<crate::engine::FaultRecord>,
+    /// The throttling answers it waited out.
+    pub throttled: crate::engine::Throttled,
     pub transcript: Vec<Entry>,
 }
 
@@ -52,6 +54,7 @@ impl ScenarioReport {
             measurements: run.measurements,
             swept: run.swept,
             faults: run.faults,
+            throttled: run.throttled,
             transcript: run.transcript,
         }
     }
@@ -196,6 +199,9 @@ pub struct RunFacts {
     pub certify: bool,
     /// Selected scenarios that never ran (the run was interrupted).
     pub never_ran: usize,
+    /// What ended the run before they ran was its sandbox-seconds budget
+    /// (`--max-sandbox-seconds`), not an interrupt.
+    pub budget_ended: bool,
     /// Scenarios the selection chose, per family (not-applicable and never-run ones included).
     pub selected: BTreeMap<String, usize>,
     /// Scenarios of the whole catalog, per family.
@@ -302,10 +308,15 @@ pub fn verdict(profile: &str, scenarios: &[Judged<'_>], facts: &RunFacts) -> Fam
         )
     } else if facts.never_ran > 0 {
         // What never ran was not judged: an interrupted run claims no conformance.
+        let why = if facts.budget_ended {
+            "the sandbox-seconds budget (--max-sandbox-seconds) ended the run"
+        } else {
+            "interrupted"
+        };
         (
             Verdict::Partial,
             Some(format!(
-                "interrupted: {} selected scenario(s) never ran",
+                "{why}: {} selected scenario(s) never ran",
                 facts.never_ran
             )),
         )
@@ -397,6 +408,10 @@ pub struct RunReport {
     pub not_applicable: Vec<NotApplicable>,
     /// The SDK version matrix (`--sdk`), when the run had one.
     pub sdk_matrix: Option<crate::sdk::SdkMatrix>,
+    /// What the run consumed of the target's account: sandboxes, sessions, sandbox-seconds,
+    /// requests, bytes, throttles.
+    #[serde(default)]
+    pub consumption: crate::target::Consumption,
 }
 
 /// A selected scenario that was not run because it cannot apply to the target.
@@ -597,6 +612,7 @@ mod tests {
             measurements: BTreeMap::new(),
             swept: vec![],
             faults: vec![],
+            throttled: Default::default(),
             transcript: vec![],
         }
     }
@@ -885,6 +901,7 @@ mod tests {
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
             sdk_matrix: None,
+            consumption: Default::default(),
         };
         let xml = junit_xml(&rep, &BTreeMap::new());
         assert!(xml.contains(r#"<testsuites name="sandspec" tests="4" failures="1" errors="1" skipped="1" time="6.000">"#), "{xml}");

@@ -151,3 +151,39 @@ fn the_runner_library_does_not_use_the_reference_server() {
         .collect();
     assert_eq!(found, Vec::<String>::new());
 }
+
+/// Every read of what a target sends goes through the one meter of `target/read.rs`: no other
+/// module reads a response body, a stream or a child's output by itself, where nothing would
+/// bound it.
+#[test]
+fn every_read_of_a_target_goes_through_the_meter() {
+    let unbounded = regex::Regex::new(
+        r"\.chunk\(\)|\.bytes\(\)\s*\.await|\.text\(\)\s*\.await|\.json(::<[^>]*>)?\(\)\s*\.await|bytes_stream\(\)|\.next_line\(\)|\.read_to_end\(|\.read_line\(",
+    )
+    .unwrap();
+    let mut found: Vec<String> = sources(&src())
+        .into_iter()
+        .filter(|(name, _)| name != "target/read.rs")
+        .filter(|(_, code)| unbounded.is_match(code))
+        .map(|(name, _)| name)
+        .collect();
+    found.sort();
+    // The exceptions: the E2B router passes the target's answers on to an SDK chunk by chunk
+    // as they come, keeping none of them (the SDK reads them), and the live guard reads the
+    // user's answer from the terminal.
+    assert_eq!(found, ["live.rs", "profile/e2b/router.rs"]);
+    let live = std::fs::read_to_string(src().join("live.rs")).unwrap();
+    assert_eq!(
+        unbounded.find_iter(&live).count(),
+        1,
+        "live.rs reads only stdin"
+    );
+    for call in [
+        "response.bytes().await",
+        "let v = r.json::<Value>().await",
+        "body.bytes_stream()",
+        "lines.next_line().await",
+    ] {
+        assert!(unbounded.is_match(call), "{call}");
+    }
+}

@@ -123,6 +123,7 @@ fn scenario(
         measurements: BTreeMap::new(),
         swept: vec![],
         faults: vec![],
+        throttled: Default::default(),
         transcript,
     }
 }
@@ -340,6 +341,7 @@ fn report(canary: &str) -> RunReport {
         run_sweep: Default::default(),
         not_applicable: Vec::new(),
         sdk_matrix: None,
+        consumption: Default::default(),
     }
 }
 
@@ -1762,6 +1764,7 @@ async fn real_run(only: &[&str], jobs: usize) -> RealRun {
         run_sweep: Default::default(),
         not_applicable: Vec::new(),
         sdk_matrix: None,
+        consumption: target.usage.consumption(Default::default(), false),
     };
     let tokens = &target.tokens;
     let mut sanitizer = for_tokens(tokens).unwrap();

@@ -11,7 +11,9 @@ mod support;
 
 mod agent_sandbox;
 mod architecture;
+mod bounds;
 mod cli_run;
+mod cloud;
 mod evidence;
 mod fuzz;
 mod isolation;

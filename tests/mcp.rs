@@ -86,7 +86,9 @@ impl ControlPlane {
                 ("E2B_API_KEY".into(), KEY.into()),
             ],
         };
-        McpSession::start(&cmd).await.expect("start sandspec mcp")
+        McpSession::start(&cmd, sandspec::target::ReadLimits::default())
+            .await
+            .expect("start sandspec mcp")
     }
 }
 
@@ -467,7 +469,7 @@ async fn agent_sandbox_client_session(
         ],
         env,
     };
-    McpSession::start(&cmd)
+    McpSession::start(&cmd, sandspec::target::ReadLimits::default())
         .await
         .expect("start agent_sandbox.agent.mcp")
 }

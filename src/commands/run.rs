@@ -104,6 +104,7 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
         drop: args.drop_capability.clone(),
         request_timeout: args.request_timeout,
         wait_budget: args.max_wait.0,
+        limits: args.read_limits(),
         mcp_server: args.mcp_server.clone(),
         tool_map: args.tool_map.clone(),
         envd_domain: args.envd_domain.clone(),
@@ -153,10 +154,12 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     // more; the receipt then says the run was interrupted and lists what never ran. A second
     // Ctrl-C aborts at once.
     let stop = Arc::new(AtomicBool::new(false));
+    let ctrl_c = Arc::new(AtomicBool::new(false));
     let watcher = tokio::spawn({
-        let stop = stop.clone();
+        let (stop, ctrl_c) = (stop.clone(), ctrl_c.clone());
         async move {
             if tokio::signal::ctrl_c().await.is_ok() {
+                ctrl_c.store(true, Ordering::SeqCst);
                 stop.store(true, Ordering::SeqCst);
                 eprintln!(
                     "interrupted: finishing the running scenarios and their cleanup; Ctrl-C again aborts"
@@ -166,6 +169,26 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
                 }
             }
         }
+    });
+    // The sandbox-seconds budget: once the run has held its sandboxes that long, no further
+    // scenario starts, as after a first Ctrl-C.
+    let budget_hit = Arc::new(AtomicBool::new(false));
+    let budget = args.max_sandbox_seconds.map(|limit| {
+        let (stop, hit, usage) = (stop.clone(), budget_hit.clone(), target.usage.clone());
+        tokio::spawn(async move {
+            loop {
+                if usage.sandbox_seconds() >= limit as f64 {
+                    hit.store(true, Ordering::SeqCst);
+                    stop.store(true, Ordering::SeqCst);
+                    eprintln!(
+                        "budget: the run has held its sandboxes for {limit} s (--max-sandbox-seconds): \
+                         no further scenario starts; the running ones finish and clean up"
+                    );
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })
     });
     let progress = Progress::new(plan.selected.len());
     let outcomes = run_until_stopped(
@@ -179,12 +202,15 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
             retries: args.retries,
             stop: &stop,
             epoch: started,
+            max_sandboxes: args.max_sandboxes,
         },
         |s, r| progress.done(s, r),
     )
     .await;
     progress.finish();
-    let interrupted = stop.load(Ordering::SeqCst);
+    if let Some(budget) = budget {
+        budget.abort();
+    }
     let not_run: Vec<String> = plan
         .selected
         .iter()
@@ -192,6 +218,10 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         .filter(|(_, r)| r.is_none())
         .map(|(s, _)| s.scenario.id.value.clone())
         .collect();
+    let by_user = ctrl_c.load(Ordering::SeqCst);
+    // The budget ended the run when it kept scenarios from starting.
+    let budget_ended = budget_hit.load(Ordering::SeqCst) && !not_run.is_empty() && !by_user;
+    let interrupted = by_user || budget_ended;
     let (selected, results): (Vec<LoadedScenario>, Vec<crate::engine::ScenarioRun>) = plan
         .selected
         .into_iter()
@@ -248,6 +278,7 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     facts.never_ran = not_run.len();
     facts.left_behind = run_sweep.found.len();
     facts.sweep_error.clone_from(&run_sweep.error);
+    facts.budget_ended = budget_ended;
     let profiles = RunReport::judge(&scenarios, &facts);
     let report = RunReport {
         run_id,
@@ -274,6 +305,14 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
         run_sweep,
         not_applicable: plan.not_applicable,
         sdk_matrix,
+        // After the sweep, whose requests count too; what is still held counts up to now.
+        consumption: target.usage.consumption(
+            crate::target::AccountLimits {
+                max_sandboxes: args.max_sandboxes,
+                max_sandbox_seconds: args.max_sandbox_seconds,
+            },
+            budget_ended,
+        ),
     };
     let gate = baseline.map(|b| gate_of(&b, &report, &facts));
     let sanitizer = run_sanitizer(&target, &captured_secrets)?;
@@ -298,7 +337,14 @@ async fn run_inner(args: RunArgs) -> Result<u8, RunError> {
     );
     watcher.abort();
     written.map_err(RunError::Harness)?;
-    Ok(exit_code(&report, interrupted, &not_run, gate.as_ref()))
+    if budget_ended {
+        eprintln!(
+            "budget: --max-sandbox-seconds ended the run: {} scenario(s) never ran: {}",
+            not_run.len(),
+            not_run.join(" ")
+        );
+    }
+    Ok(exit_code(&report, by_user, &not_run, gate.as_ref()))
 }
 
 /// The SDK matrix a run was asked for (`--sdk`), with what its profile's journeys are.
@@ -402,6 +448,7 @@ impl SdkRun {
                     measurements: Default::default(),
                     swept: Vec::new(),
                     faults: Vec::new(),
+                    throttled: Default::default(),
                     transcript: Vec::new(),
                 });
             }

@@ -27,7 +27,7 @@ async fn sweep(args: SweepArgs) -> u8 {
     let mut failed = false;
     for env in &envs {
         // The guard has been asked already: once for the whole sweep.
-        let spec = TargetSpec::new(
+        let mut spec = TargetSpec::new(
             args.api,
             Endpoint::Url(UrlEndpoint {
                 ca_file: args.ca_file.clone(),
@@ -35,6 +35,9 @@ async fn sweep(args: SweepArgs) -> u8 {
                 ..UrlEndpoint::new(&args.target, env, env)
             }),
         );
+        if let Some(body) = args.max_body_bytes {
+            spec.limits.body = body;
+        }
         let opened = match spec.check() {
             Ok(checked) => Target::open(checked).await,
             Err(e) => Err(e),

@@ -13,8 +13,9 @@ use super::outcome::Outcome;
 use super::transcript::{Body, Credential, Entry, HttpExchange, Note, record_headers};
 use super::vars::{VarError, Vars};
 use crate::live::Leftover;
+use crate::profile::CreatedKind;
 use crate::scenario::{Method, Principal, Via};
-use crate::target::{Target, describe_reqwest};
+use crate::target::{BoundedBody, ReadError, ReadLimits, Target, describe_reqwest, read_body};
 
 /// The header that carries the run's canary secret on every request.
 pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
@@ -93,6 +94,15 @@ pub(crate) struct Ctx<'a> {
     pub(super) mcp_sessions: BTreeMap<String, crate::mcp::RunSession>,
     /// The faults the scenario injected, each with the steps that passed after it.
     pub(super) faults: Vec<FaultRecord>,
+    /// When the part being run (the steps, the cleanup, the leak check) must be done: a
+    /// throttle wait must fit before it.
+    pub(super) deadline: Option<Instant>,
+    /// The statuses the running step's expectations name: a throttling answer with one of
+    /// them is judged as it is, never waited out.
+    pub(super) names: Vec<u16>,
+    /// Throttle waits so far, and the time they took (taken from the wait budget).
+    pub(super) throttle_waits: u32,
+    pub(super) throttled_for: Duration,
 }
 
 /// One injected fault as the receipt records it.
@@ -214,7 +224,8 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Sends a prepared request and records it. Transport errors are classified here.
+    /// Sends a prepared request and records it, waiting out throttling answers the step does
+    /// not name (each sending and each wait recorded). Transport errors are classified here.
     pub(super) async fn send(
         &mut self,
         client: &reqwest::Client,
@@ -234,12 +245,37 @@ impl<'a> Ctx<'a> {
         label: &str,
         leave_after: Option<Duration>,
     ) -> Result<Observed, StepError> {
+        let what = format!("{} {}", p.method.as_str(), p.target);
+        let mut attempt = 1;
+        loop {
+            let obs = self.send_once(client, p, label, leave_after).await?;
+            match self
+                .wait_out(label, &what, obs.status, &obs.headers, attempt)
+                .await
+            {
+                Ok(true) => attempt += 1,
+                Ok(false) => return Ok(obs),
+                Err(reason) => return Err(StepError::Error(reason)),
+            }
+        }
+    }
+
+    /// Sends a prepared request once and records it.
+    async fn send_once(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+        leave_after: Option<Duration>,
+    ) -> Result<Observed, StepError> {
         let at_ms = self.at();
         let sent = Instant::now();
+        self.target.usage.sent(p_body(&p.body).len() as u64);
         let builder = self.builder(client, p);
+        let (timeout, limits) = (self.target.request_timeout, self.target.limits);
         let outcome = match leave_after {
-            None => exchange(builder, self.target.request_timeout).await,
-            Some(d) => exchange_leaving(builder, self.target.request_timeout, d).await,
+            None => exchange(builder, timeout, limits).await,
+            Some(d) => exchange_leaving(builder, timeout, limits, d).await,
         };
         let mut exchange = HttpExchange {
             step: label.to_owned(),
@@ -269,13 +305,20 @@ impl<'a> Ctx<'a> {
                 if (200..300).contains(&obs.status) {
                     self.saw_success = true;
                 }
-                self.remember_created(p, &obs);
+                self.observed(p, &obs);
                 Ok(obs)
             }
-            Err((reason, connect)) => {
+            Err(failed) => {
+                let reason = failed.reason;
                 exchange.error = Some(reason.clone());
-                if connect {
+                if let Some((status, headers)) = &failed.head {
+                    exchange.status = Some(*status);
+                    exchange.response_headers = record_headers(headers);
+                }
+                if failed.connect {
                     Err(StepError::Error(format!("{}: {reason}", self.base(p.via))))
+                } else if let Some((status, _)) = failed.head {
+                    Err(StepError::Fail(format!("status {status}, but {reason}")))
                 } else {
                     Err(StepError::Fail(format!("no response: {reason}")))
                 }
@@ -283,6 +326,18 @@ impl<'a> Ctx<'a> {
         };
         self.transcript.push(Entry::Http(exchange));
         result
+    }
+
+    /// What an answer tells the run's account: bytes received, what it created (added to
+    /// the ledger), and a sandbox seen gone (its delete answered, or a 404 for it).
+    pub(super) fn observed(&mut self, p: &Prepared, obs: &Observed) {
+        let usage = &self.target.usage;
+        usage.received(obs.body.len() as u64);
+        let path = p.target.split('?').next().unwrap_or_default();
+        if obs.status == 404 || (p.method == Method::Delete && (200..300).contains(&obs.status)) {
+            usage.gone(path);
+        }
+        self.remember_created(p, obs);
     }
 
     /// Adds what a successful create made to the ledger (once per object).
@@ -305,6 +360,11 @@ impl<'a> Ctx<'a> {
                 self.secrets.push(token.clone());
             }
             if !self.ledger.iter().any(|c| c.creation.path == creation.path) {
+                match creation.kind {
+                    CreatedKind::Sandbox => self.target.usage.sandbox_created(&creation.path),
+                    CreatedKind::Session => self.target.usage.session_created(),
+                    _ => {}
+                }
                 self.ledger.push(Created {
                     creation,
                     principal: p.principal,
@@ -369,14 +429,40 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// Why an exchange ended without a whole response: the reason, whether the target could not
+/// be connected to at all, and the status and headers when they had arrived (a body that
+/// broke, stalled or crossed its cap).
+#[derive(Debug)]
+pub(super) struct Failed {
+    pub(super) reason: String,
+    pub(super) connect: bool,
+    pub(super) head: Option<(u16, reqwest::header::HeaderMap)>,
+}
+
+impl Failed {
+    /// A request whose throttling could not be waited out (the step ends in ERROR).
+    pub(super) fn given_up() -> Failed {
+        Failed::before_head("throttled".to_owned(), false)
+    }
+
+    fn before_head(reason: String, connect: bool) -> Failed {
+        Failed {
+            reason,
+            connect,
+            head: None,
+        }
+    }
+}
+
 /// Sends a request and reads its whole response, each wait bounded by `limit`: the response
-/// headers (connecting included), then every read of the body. The error is a reason and
-/// whether the target could not be connected to at all.
+/// headers (connecting included), then every read of the body; the body under the run's caps
+/// (`limits`).
 pub(super) async fn exchange(
     builder: reqwest::RequestBuilder,
     limit: Duration,
-) -> Result<Observed, (String, bool)> {
-    exchange_holding(builder, limit, false)
+    limits: ReadLimits,
+) -> Result<Observed, Failed> {
+    exchange_holding(builder, limit, limits, false)
         .await
         .map(|(observed, _)| observed)
 }
@@ -386,17 +472,18 @@ pub(super) async fn exchange(
 pub(super) async fn exchange_holding(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     hold_streams: bool,
-) -> Result<(Observed, Option<reqwest::Response>), (String, bool)> {
+) -> Result<(Observed, Option<reqwest::Response>), Failed> {
     let secs = limit.as_secs_f64();
-    let mut response = match tokio::time::timeout(limit, builder.send()).await {
+    let response = match tokio::time::timeout(limit, builder.send()).await {
         Err(_) => {
-            return Err((
+            return Err(Failed::before_head(
                 format!("headers not received within {secs}s (--request-timeout)"),
                 false,
             ));
         }
-        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Err(e)) => return Err(Failed::before_head(describe_reqwest(&e), e.is_connect())),
         Ok(Ok(r)) => r,
     };
     let status = response.status().as_u16();
@@ -413,27 +500,24 @@ pub(super) async fn exchange_holding(
         };
         return Ok((observed, Some(response)));
     }
-    let mut body = Vec::new();
-    loop {
-        match tokio::time::timeout(limit, response.chunk()).await {
-            Err(_) => {
-                return Err((
-                    format!(
-                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
-                        body.len()
-                    ),
-                    false,
-                ));
-            }
-            Ok(Err(e)) => return Err((describe_reqwest(&e), false)),
-            Ok(Ok(None)) => break,
-            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
+    let body = match read_body(response, limits, Some(limit)).await {
+        Ok(body) => body,
+        Err(ReadError::Stalled { read, .. }) => {
+            return Err(failed(format!(
+                "the response body stalled: no bytes for {secs}s after {read} bytes (--request-timeout)"
+            )));
         }
-    }
+        Err(e) => return Err(failed(e.to_string())),
+    };
     let observed = Observed {
         status,
         headers,
-        body: body.into(),
+        body,
     };
     Ok((observed, None))
 }
@@ -443,49 +527,48 @@ pub(super) async fn exchange_holding(
 async fn exchange_leaving(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     leave_after: Duration,
-) -> Result<Observed, (String, bool)> {
+) -> Result<Observed, Failed> {
     let until = tokio::time::Instant::now() + leave_after;
     let secs = limit.as_secs_f64();
-    let mut response = match tokio::time::timeout(limit.min(leave_after), builder.send()).await {
+    let wait = limit.min(leave_after);
+    let response = match tokio::time::timeout(wait, builder.send()).await {
         Err(_) => {
-            return Err((
-                format!(
-                    "headers not received within {}s",
-                    limit.min(leave_after).as_secs_f64()
-                ),
+            return Err(Failed::before_head(
+                format!("headers not received within {}s", wait.as_secs_f64()),
                 false,
             ));
         }
-        Ok(Err(e)) => return Err((describe_reqwest(&e), e.is_connect())),
+        Ok(Err(e)) => return Err(Failed::before_head(describe_reqwest(&e), e.is_connect())),
         Ok(Ok(r)) => r,
     };
     let status = response.status().as_u16();
     let headers = response.headers().clone();
-    let mut body = Vec::new();
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
+    let mut body = BoundedBody::new(response, limits).map_err(|e| failed(e.to_string()))?;
+    let mut read = Vec::new();
     loop {
-        let next = tokio::time::timeout(limit, response.chunk());
-        match tokio::time::timeout_at(until, next).await {
-            Err(_) => break,
-            Ok(Err(_)) => {
-                return Err((
-                    format!(
-                        "the response body stalled: no bytes for {secs}s after {} bytes (--request-timeout)",
-                        body.len()
-                    ),
-                    false,
-                ));
+        match tokio::time::timeout_at(until, body.next_within(limit)).await {
+            Err(_) | Ok(None) => break,
+            Ok(Some(Ok(chunk))) => read.extend_from_slice(&chunk),
+            Ok(Some(Err(ReadError::Stalled { read: n, .. }))) => {
+                return Err(failed(format!(
+                    "the response body stalled: no bytes for {secs}s after {n} bytes (--request-timeout)"
+                )));
             }
-            Ok(Ok(Err(e))) => return Err((describe_reqwest(&e), false)),
-            Ok(Ok(Ok(None))) => break,
-            Ok(Ok(Ok(Some(chunk)))) => body.extend_from_slice(&chunk),
+            Ok(Some(Err(e))) => return Err(failed(e.to_string())),
         }
     }
-    drop(response);
+    drop(body);
     Ok(Observed {
         status,
         headers,
-        body: body.into(),
+        body: read.into(),
     })
 }
 

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::context::{Ctx, FaultRecord, StepError, ms};
 use super::outcome::Outcome;
+use super::throttle::Throttled;
 use super::transcript::Entry;
 use super::vars::{VarError, Vars};
 use crate::live::Leftover;
@@ -44,9 +45,29 @@ pub struct ScenarioRun {
     pub attempts: u32,
     /// The faults the scenario injected, with what was checked after each.
     pub faults: Vec<FaultRecord>,
+    /// The throttling answers it waited out (429, or 503 with `Retry-After`).
+    pub throttled: Throttled,
     /// Values of captures marked `secret: true`, for the sanitizer. Never serialized.
     #[serde(skip)]
     pub secrets: Vec<String>,
+}
+
+impl ScenarioRun {
+    /// A scenario that was not run, with why.
+    pub fn skipped(reason: String) -> ScenarioRun {
+        ScenarioRun {
+            outcome: Outcome::Skip { reason },
+            started_ms: 0,
+            duration_ms: 0,
+            measurements: BTreeMap::new(),
+            swept: Vec::new(),
+            transcript: Vec::new(),
+            attempts: 1,
+            faults: Vec::new(),
+            throttled: Throttled::default(),
+            secrets: Vec::new(),
+        }
+    }
 }
 
 /// Runs `scenario` with up to `retries` extra attempts after a FAIL; a later pass is FLAKY.
@@ -80,14 +101,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     let started = Instant::now();
     let mut run = ScenarioRun {
         outcome: Outcome::Pass,
-        started_ms: 0,
-        duration_ms: 0,
-        measurements: BTreeMap::new(),
-        swept: Vec::new(),
-        transcript: Vec::new(),
-        attempts: 1,
-        faults: Vec::new(),
-        secrets: Vec::new(),
+        ..ScenarioRun::skipped(String::new())
     };
     if let Some(reason) = skip_reason(target, scenario) {
         run.outcome = Outcome::Skip { reason };
@@ -154,15 +168,21 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
         expiry_held: false,
         mcp_sessions: BTreeMap::new(),
         faults: Vec::new(),
+        deadline: None,
+        names: Vec::new(),
+        throttle_waits: 0,
+        throttled_for: Duration::ZERO,
     };
     // The steps, then the cleanup, each within a deadline derived from what they declare
     // they wait for: a target that stops answering cannot hold a scenario for longer.
     let steps_deadline = ctx.deadline(&scenario.steps, STEPS_MARGIN);
+    ctx.deadline = Some(Instant::now() + steps_deadline);
     let mut current = String::new();
     let steps = async {
         for (i, step) in scenario.steps.iter().enumerate() {
             let label = step_label("steps", i, step);
             current.clone_from(&label);
+            ctx.names = step.names_statuses();
             if let Err(e) = step.run(&mut ctx, &label).await {
                 return e.into_outcome(label);
             }
@@ -178,12 +198,14 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     // ends, before the cleanup and the leak check look.
     ctx.end_mcp_sessions().await;
     let cleanup_deadline = ctx.deadline(&scenario.cleanup, CLEANUP_MARGIN);
+    ctx.deadline = Some(Instant::now() + cleanup_deadline);
     let mut current = String::new();
     let cleanup = async {
         let mut outcome = Outcome::Pass;
         for (i, step) in scenario.cleanup.iter().enumerate() {
             let label = step_label("cleanup", i, step);
             current.clone_from(&label);
+            ctx.names = step.names_statuses();
             match step.run(&mut ctx, &label).await {
                 Ok(()) => {}
                 // A cleanup step for something that was never created has nothing to do.
@@ -201,7 +223,10 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
             Err(_) => deadline_passed(&mut ctx, current, "cleanup", cleanup_deadline),
         },
     );
-    // Each request of the leak check and the sweep is bounded by the request timeout.
+    // Each request of the leak check and the sweep is bounded by the request timeout; their
+    // throttle waits by the cleanup's margin.
+    ctx.names = Vec::new();
+    ctx.deadline = Some(Instant::now() + CLEANUP_MARGIN);
     outcome = outcome.combine(ctx.leak_check().await);
     if ctx.expiry_held {
         let label = "release the expiry hold";
@@ -222,6 +247,7 @@ pub async fn run_scenario(target: &Target, scenario: &Scenario, run_id: &str) ->
     }
     run.outcome = outcome;
     run.duration_ms = ms(started.elapsed());
+    run.throttled = ctx.throttled();
     run.measurements = ctx.measurements;
     run.swept = ctx.leftovers;
     run.transcript = ctx.transcript;

@@ -1,15 +1,32 @@
 //! Runs many scenarios against one target: `jobs` at a time, the longest waits first, an
 //! exclusive scenario on a deployment of its own where the runner can start one and otherwise
-//! alone after the others, and no new scenario once the run is asked to stop.
+//! alone after the others, no more sandboxes held at once than `--max-sandboxes` allows (a
+//! scenario weighs what its steps may create, [`sandboxes_of`]; the next one waits for room),
+//! and no new scenario once the run is asked to stop.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::run::{ScenarioRun, run_with_retries};
+use super::vars::Vars;
 use super::waits::{total_s, waits};
-use crate::scenario::LoadedScenario;
+use crate::scenario::{LoadedScenario, Scenario};
 use crate::target::Target;
+
+/// How many sandboxes a scenario may hold at once, by its model: every sandbox its steps and
+/// cleanup may create (a create request, each request of a `parallel` group of creates, an
+/// MCP create), as if none were removed before the scenario ends. A count that depends on
+/// what the scenario captures counts as none.
+pub fn sandboxes_of(scenario: &Scenario, target: &Target) -> u64 {
+    let vars = Vars::new("weight", &target.capabilities, &target.canary);
+    scenario
+        .steps
+        .iter()
+        .chain(&scenario.cleanup)
+        .map(|s| s.sandboxes(&vars, target.profile()))
+        .sum()
+}
 
 /// How many scenarios run at once without `--jobs`: the reference server the runner started
 /// waits far more than it computes, so eight; a deployment of someone else's, four, to stay
@@ -38,6 +55,7 @@ pub async fn run_all(
             retries,
             stop: &never,
             epoch: Instant::now(),
+            max_sandboxes: None,
         },
         |_, _| {},
     )
@@ -58,6 +76,9 @@ pub struct Pace<'a> {
     pub stop: &'a AtomicBool,
     /// The run's start: each result's `started_ms` is measured from it.
     pub epoch: Instant,
+    /// Sandboxes the run may hold at once (`--max-sandboxes`): a scenario starts only when
+    /// its weight fits beside those running; one that weighs more is skipped.
+    pub max_sandboxes: Option<u64>,
 }
 
 /// Like [`run_all`], but paced by `pace`, and `done` is told of each scenario as it ends.
@@ -74,6 +95,21 @@ pub async fn run_until_stopped(
     let retries = pace.retries;
     let mut results: Vec<Option<ScenarioRun>> = vec![None; scenarios.len()];
     let semaphore = Arc::new(tokio::sync::Semaphore::new(pace.jobs.max(1)));
+    let room = pace.max_sandboxes.map(|n| {
+        Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(n).unwrap_or(tokio::sync::Semaphore::MAX_PERMITS),
+        ))
+    });
+    // A scenario that may hold more sandboxes than the run may is skipped, with the numbers.
+    let too_big = |s: &LoadedScenario| -> Option<ScenarioRun> {
+        let max = pace.max_sandboxes?;
+        let weight = sandboxes_of(&s.scenario, target);
+        (weight > max).then(|| {
+            ScenarioRun::skipped(format!(
+                "may hold {weight} sandboxes at once, more than --max-sandboxes {max} allows"
+            ))
+        })
+    };
     let mut set = tokio::task::JoinSet::new();
     let isolated = target.isolates_exclusive();
     let alone = |s: &LoadedScenario| s.scenario.exclusive && !isolated;
@@ -101,6 +137,25 @@ pub async fn run_until_stopped(
         if pace.stop.load(Ordering::SeqCst) {
             break;
         }
+        if let Some(mut skipped) = too_big(s) {
+            skipped.started_ms = since_epoch();
+            done(s, &skipped);
+            results[i] = Some(skipped);
+            continue;
+        }
+        let weight = u32::try_from(sandboxes_of(&s.scenario, target)).unwrap_or(u32::MAX);
+        let held = match &room {
+            Some(room) if weight > 0 => Some(
+                room.clone()
+                    .acquire_many_owned(weight)
+                    .await
+                    .expect("semaphore is never closed"),
+            ),
+            _ => None,
+        };
+        if pace.stop.load(Ordering::SeqCst) {
+            break;
+        }
         let target = target.clone();
         let scenario = s.scenario.clone();
         let run_id = run_id.to_owned();
@@ -108,6 +163,7 @@ pub async fn run_until_stopped(
             let started_ms = since_epoch();
             let mut r = run_with_retries(&target, &scenario, &run_id, retries).await;
             r.started_ms = started_ms;
+            drop(held);
             drop(permit);
             (i, r)
         });
@@ -127,7 +183,11 @@ pub async fn run_until_stopped(
             break;
         }
         let started_ms = since_epoch();
-        let mut r = run_with_retries(target, &s.scenario, run_id, retries).await;
+        // Alone, it has every sandbox the run may hold.
+        let mut r = match too_big(s) {
+            Some(skipped) => skipped,
+            None => run_with_retries(target, &s.scenario, run_id, retries).await,
+        };
         r.started_ms = started_ms;
         done(s, &r);
         results[i] = Some(r);

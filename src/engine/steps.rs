@@ -93,6 +93,16 @@ macro_rules! step_kinds {
                 match self { $(Step::$variant(k) => k.uses_admin(),)* }
             }
 
+            /// How many sandboxes the step may create (see [`StepKind::sandboxes`]).
+            pub fn sandboxes(&self, vars: &Vars<'_>, profile: &dyn crate::profile::Profile) -> u64 {
+                match self { $(Step::$variant(k) => k.sandboxes(vars, profile),)* }
+            }
+
+            /// The statuses the step's expectations name (see [`StepKind::names_statuses`]).
+            pub fn names_statuses(&self) -> Vec<u16> {
+                match self { $(Step::$variant(k) => k.names_statuses(),)* }
+            }
+
             /// How long the step may wait by its own declaration.
             pub(in crate::engine) fn waits(&self, ctx: &Ctx<'_>) -> Duration {
                 match self { $(Step::$variant(k) => k.waits(ctx),)* }

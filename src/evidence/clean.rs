@@ -105,6 +105,7 @@ impl<'a> Cleaner<'a> {
                     })
                     .collect(),
             }),
+            consumption: r.consumption.clone(),
         }
     }
 
@@ -158,6 +159,7 @@ impl<'a> Cleaner<'a> {
                 .map(|(k, v)| (self.s(k), *v))
                 .collect(),
             swept: s.swept.iter().map(|l| self.leftover(l)).collect(),
+            throttled: s.throttled,
             faults: s
                 .faults
                 .iter()

@@ -342,6 +342,8 @@ struct ScenarioRow {
     duration: String,
     clauses: String,
     transcript: Option<String>,
+    /// `throttled: 3 waits, 4.0 s` when it waited out throttling answers.
+    throttled: Option<String>,
 }
 
 struct ClauseRow {
@@ -471,6 +473,23 @@ fn notes(r: &Receipt) -> Vec<String> {
             gate.line()
         ));
     }
+    let c = &r.consumption;
+    notes.push(format!(
+        "Consumed: {} sandboxes (at most {} at once), {:.1} sandbox-seconds, {} sessions, {} requests, {} bytes received; {} throttle waits ({:.1} s).{}",
+        c.sandboxes_created,
+        c.peak_sandboxes,
+        c.sandbox_seconds,
+        c.sessions_created,
+        c.requests,
+        c.bytes_received,
+        c.throttles.waits,
+        c.throttles.waited_ms as f64 / 1000.0,
+        if c.budget_ended {
+            " The sandbox-seconds budget (--max-sandbox-seconds) ended the run."
+        } else {
+            ""
+        }
+    ));
     notes
 }
 
@@ -564,6 +583,13 @@ fn scenario_row(s: &ScenarioResult) -> ScenarioRow {
         duration: seconds(s.duration_ms),
         clauses: s.clauses.join(", "),
         transcript: s.transcript.as_ref().map(|t| t.path.clone()),
+        throttled: (s.throttled.waits > 0).then(|| {
+            format!(
+                "throttled: {} waits, {:.1} s",
+                s.throttled.waits,
+                s.throttled.waited_ms as f64 / 1000.0
+            )
+        }),
     }
 }
 

@@ -248,10 +248,12 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
         counts.positive_operations += c.positive_operations;
         counts.authentication_rejections += c.authentication_rejections;
     }
+    let consumption = crate::target::Consumption::of_shards(parts.iter().map(|r| &r.consumption));
     // The verdicts, judged again with the run's rules over every shard's scenarios.
     let mut facts = RunFacts {
         certify: selection.certify,
         never_ran: not_run.len(),
+        budget_ended: consumption.budget_ended,
         left_behind: cleanup
             .swept
             .iter()
@@ -358,6 +360,7 @@ fn merged_statement(shards: &[Shard]) -> Result<Statement, String> {
             .flat_map(|r| r.streams.iter().cloned())
             .collect(),
         cleanup,
+        consumption,
         environment: first.environment.clone(),
         sanitizer,
         sdk_matrix: parts.iter().find_map(|r| r.sdk_matrix.clone()),
@@ -461,6 +464,7 @@ fn junit_report(r: &Receipt) -> RunReport {
                 measurements: s.measurements.clone(),
                 swept: Vec::new(),
                 faults: s.faults.clone(),
+                throttled: s.throttled,
                 transcript: Vec::new(),
             })
             .collect(),
@@ -482,6 +486,7 @@ fn junit_report(r: &Receipt) -> RunReport {
         run_sweep: crate::live::RunSweep::default(),
         not_applicable: r.selection.not_applicable.clone(),
         sdk_matrix: r.sdk_matrix.clone(),
+        consumption: r.consumption.clone(),
     }
 }
 

@@ -20,6 +20,7 @@ const MS_FIELDS: &[&str] = &[
     "at_ms",
     "first_frame_ms",
     "eof_ms",
+    "waited_ms",
 ];
 
 /// Fields whose whole value is run- or machine-specific.
@@ -62,7 +63,7 @@ fn walk(value: &Value, key: Option<&str>, run_id: Option<&str>, ph: &mut Placeho
         if MS_FIELDS.contains(&k) && value.is_number() {
             return Value::String("<ms>".to_owned());
         }
-        if k == "seconds" && value.is_number() {
+        if (k == "seconds" || k == "sandbox_seconds") && value.is_number() {
             return Value::String("<s>".to_owned());
         }
         if k == "measurements" && value.is_object() {
@@ -73,7 +74,7 @@ fn walk(value: &Value, key: Option<&str>, run_id: Option<&str>, ph: &mut Placeho
                     .collect(),
             );
         }
-        if k == "len" && value.is_number() {
+        if matches!(k, "len" | "bytes_sent" | "bytes_received") && value.is_number() {
             return Value::String("<n>".to_owned());
         }
     }

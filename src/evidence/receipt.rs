@@ -141,6 +141,8 @@ pub struct Receipt {
     pub measurements: Vec<Measurement>,
     pub streams: Vec<StreamTiming>,
     pub cleanup: Cleanup,
+    /// What the run consumed of the target's account, and the limits it was given.
+    pub consumption: crate::target::Consumption,
     pub environment: Environment,
     pub sanitizer: SanitizerInfo,
     /// The SDK version matrix (`--sdk`): every journey with every SDK, the judged ones also
@@ -284,6 +286,8 @@ pub struct ScenarioResult {
     /// The faults the scenario injected (server processes killed and restarted, the
     /// database stopped and started), each with its time and the steps checked after it.
     pub faults: Vec<crate::engine::FaultRecord>,
+    /// The throttling answers (429, or 503 with `Retry-After`) it waited out.
+    pub throttled: crate::engine::Throttled,
     /// The transcript file and its digest; `null` when nothing was sent (a skip).
     pub transcript: Option<FileRef>,
 }
@@ -682,6 +686,7 @@ impl Statement {
                 measurements,
                 streams,
                 cleanup,
+                consumption: report.consumption.clone(),
                 environment: input.environment.clone(),
                 sanitizer: input.sanitizer.clone(),
                 sdk_matrix: report.sdk_matrix.clone(),
@@ -716,6 +721,7 @@ fn scenario_result(s: &ScenarioReport, transcript: Option<FileRef>) -> ScenarioR
             .map(|(k, v)| (k.clone(), *v))
             .collect(),
         faults: s.faults.clone(),
+        throttled: s.throttled,
         transcript,
     }
 }

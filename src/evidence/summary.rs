@@ -27,9 +27,14 @@ pub(crate) fn render(statement: &Statement) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# sandspec run `{}`\n", r.run_id);
     if r.interrupted {
+        let why = if r.consumption.budget_ended {
+            "Its sandbox-seconds budget (--max-sandbox-seconds) ended the run"
+        } else {
+            "The run was stopped"
+        };
         let _ = writeln!(
             md,
-            "> **Interrupted.** The run was stopped before every selected scenario ran; {} never ran: {}.\n",
+            "> **Interrupted.** {why} before every selected scenario ran; {} never ran: {}.\n",
             r.not_run.len(),
             if r.not_run.is_empty() {
                 "none".to_owned()
@@ -195,6 +200,8 @@ pub(crate) fn render(statement: &Statement) -> String {
         c.authentication_rejections
     );
 
+    consumption(&mut md, &r.consumption);
+
     let failures: Vec<_> = r
         .scenarios
         .iter()
@@ -250,12 +257,20 @@ pub(crate) fn render(statement: &Statement) -> String {
 
     md.push_str("\n## Scenarios\n\n| ID | level | outcome | ms | attempts | clauses | title |\n|---|---|---|---:|---:|---|---|\n");
     for s in &r.scenarios {
+        let outcome = match s.throttled.waits {
+            0 => label(s.outcome).to_owned(),
+            n => format!(
+                "{} (throttled: {n} waits, {:.1} s)",
+                label(s.outcome),
+                s.throttled.waited_ms as f64 / 1000.0
+            ),
+        };
         let _ = writeln!(
             md,
             "| `{}` | {} | {} | {} | {} | {} | {} |",
             s.id,
             s.level,
-            label(s.outcome),
+            outcome,
             s.duration_ms,
             s.attempts,
             cell(&s.clauses.join(", ")),
@@ -351,6 +366,48 @@ pub(crate) fn render(statement: &Statement) -> String {
         let _ = writeln!(md, "- the end-of-run sweep could not finish: {}", cell(e));
     }
     md
+}
+
+/// What the run consumed of the target's account, and the limits it was given.
+fn consumption(md: &mut String, c: &crate::target::Consumption) {
+    let limit = |v: Option<u64>| v.map_or_else(|| "none".to_owned(), |v| v.to_string());
+    let by_status: Vec<String> = c
+        .throttles
+        .by_status
+        .iter()
+        .map(|(status, n)| format!("{n}× {status}"))
+        .collect();
+    md.push_str("\n## Consumption\n\n| sandboxes created | sessions created | most held at once | sandbox-seconds | requests | bytes sent | bytes received | throttle waits | waited |\n");
+    md.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let _ = writeln!(
+        md,
+        "| {} | {} | {} | {:.1} | {} | {} | {} | {}{} | {:.1} s |",
+        c.sandboxes_created,
+        c.sessions_created,
+        c.peak_sandboxes,
+        c.sandbox_seconds,
+        c.requests,
+        c.bytes_sent,
+        c.bytes_received,
+        c.throttles.waits,
+        if by_status.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", by_status.join(", "))
+        },
+        c.throttles.waited_ms as f64 / 1000.0
+    );
+    let _ = writeln!(
+        md,
+        "\nAccount limits: --max-sandboxes {}, --max-sandbox-seconds {}{}.",
+        limit(c.limits.max_sandboxes),
+        limit(c.limits.max_sandbox_seconds),
+        if c.budget_ended {
+            "; the sandbox-seconds budget ended the run"
+        } else {
+            ""
+        }
+    );
 }
 
 /// The clause coverage table: every MUST clause with the scenarios citing it and their

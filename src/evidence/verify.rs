@@ -359,6 +359,7 @@ fn verdicts_follow(r: &Receipt) -> Vec<Problem> {
             .filter(|s| s.scenario == super::receipt::RUN_SWEEP)
             .count(),
         sweep_error: r.cleanup.run_sweep.error.clone(),
+        budget_ended: r.consumption.budget_ended,
         ..RunFacts::default()
     };
     for p in r.profiles.iter().filter(|p| p.profile != ALL) {

@@ -375,6 +375,7 @@ mod tests {
             measurements: BTreeMap::new(),
             swept: vec![],
             faults: vec![],
+            throttled: Default::default(),
             transcript: vec![Entry::Http(HttpExchange {
                 step: "steps[0] GET /v1/x".into(),
                 at_ms: 0,
@@ -420,6 +421,7 @@ mod tests {
             run_sweep: Default::default(),
             not_applicable: Vec::new(),
             sdk_matrix: None,
+            consumption: Default::default(),
         }
     }
 

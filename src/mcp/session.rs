@@ -11,6 +11,8 @@ use rmcp::service::{RoleClient, RunningService};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+use crate::target::{CappedReader, Framing, Meter, ReadLimits, Tripped};
+
 /// One MCP server process of a scenario run, and how much of what it exchanged the run's
 /// transcript holds already.
 pub struct RunSession {
@@ -130,11 +132,14 @@ pub struct McpSession {
     client: Option<RunningService<RoleClient, ()>>,
     /// Every exchange so far, in order.
     exchanges: Vec<Exchange>,
+    /// What the cap on the server's messages refused, if anything: the session ended there.
+    tripped: Tripped,
 }
 
 impl McpSession {
-    /// Starts the server and runs the MCP `initialize` handshake.
-    pub async fn start(cmd: &ServerCommand) -> Result<Self, McpError> {
+    /// Starts the server and runs the MCP `initialize` handshake. Its messages are read under
+    /// the event cap of `limits` (`--max-event-bytes`): the first one over it ends the session.
+    pub async fn start(cmd: &ServerCommand, limits: ReadLimits) -> Result<Self, McpError> {
         let (program, args) = cmd
             .argv
             .split_first()
@@ -150,10 +155,13 @@ impl McpSession {
             .map_err(|e| McpError::Command(format!("`{program}`: {e}")))?;
         let stdin = child.stdin.take().expect("stdin is piped");
         let stdout = child.stdout.take().expect("stdout is piped");
-        let client =
-            ().serve((stdout, stdin))
-                .await
-                .map_err(|e| McpError::Initialize(e.to_string()))?;
+        let (stdout, tripped) = CappedReader::new(stdout, Meter::stream(limits, Framing::McpLines));
+        let client = ().serve((stdout, stdin)).await.map_err(|e| {
+            McpError::Initialize(match tripped.get() {
+                Some(t) => t.to_string(),
+                None => e.to_string(),
+            })
+        })?;
         let server = client
             .peer_info()
             .map(|info| serde_json::to_value(&*info).unwrap_or(Value::Null))
@@ -166,6 +174,7 @@ impl McpSession {
                 params: Value::Null,
                 result: server,
             }],
+            tripped,
         })
     }
 
@@ -246,6 +255,11 @@ impl McpSession {
     }
 
     fn failed(&mut self, method: &str, params: Value, message: String) -> McpError {
+        // A message over the cap ended the session: that is why the call failed.
+        let message = match self.tripped.get() {
+            Some(t) => format!("{t}; the session ended"),
+            None => message,
+        };
         self.exchanges.push(Exchange {
             method: method.into(),
             params,

@@ -78,6 +78,12 @@ pub trait Profile: Send + Sync {
     /// answered `status` with the JSON `body`. The scenario's leak check confirms each is gone.
     fn created(&self, method: &str, path: &str, status: u16, body: &Value) -> Vec<Creation>;
 
+    /// Whether `method path` (as a scenario writes it, before its variables are rendered)
+    /// may create a sandbox: what `--max-sandboxes` counts of a scenario before it runs.
+    fn creates_sandbox(&self, _method: &str, _path: &str) -> bool {
+        false
+    }
+
     /// The end-of-run sweep: for every principal, the objects whose own record carries
     /// `metadata.sandspec_run = run_id`, each removed and confirmed gone.
     fn sweep_run<'a>(

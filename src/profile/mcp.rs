@@ -73,6 +73,10 @@ impl Profile for Mcp {
         e2b::created(method, path, status, body)
     }
 
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        e2b::creates_sandbox(method, path)
+    }
+
     fn sweep_run<'a>(
         &'a self,
         conn: &'a Conn<'a>,

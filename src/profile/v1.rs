@@ -12,7 +12,9 @@ use serde_json::Value;
 use super::api::Api;
 use super::binding::{CapabilitySource, Clauses, CreatedKind, Creation, Profile};
 use super::clauses::{Clause, Level, parse_clauses};
-use crate::live::{RUN_TAG, RunSweep, Swept, SweptList, sweep_older_over, sweep_run_over, why};
+use crate::live::{
+    RUN_TAG, RunSweep, Swept, SweptList, get_json, sweep_older_over, sweep_run_over,
+};
 use crate::target::{Capabilities, Conn, Tokens};
 
 /// The normative document, embedded so the runner and its checks agree with the text.
@@ -151,6 +153,12 @@ impl Profile for V1 {
         }
     }
 
+    /// A sandbox create, and a session's (which makes a sandbox of its own unless it attaches
+    /// to one).
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        method == "POST" && matches!(path, "/v1/sandboxes" | "/v1/sessions")
+    }
+
     fn sweep_run<'a>(
         &'a self,
         conn: &'a Conn<'a>,
@@ -215,21 +223,8 @@ async fn list_all(
                 q.append_pair("page_token", t);
             }
         }
-        let resp = conn
-            .client
-            .get(url)
-            .bearer_auth(token)
-            .timeout(conn.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {path}: {}", why(conn, &e)))?;
-        if !resp.status().is_success() {
-            return Err(format!("GET {path}: status {}", resp.status()));
-        }
-        let page: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {path}: {}", why(conn, &e)))?;
+        let (name, value) = bearer(token);
+        let (_, page) = get_json(conn, (name, &value), url, &format!("GET {path}")).await?;
         let items = page
             .get("data")
             .and_then(Value::as_array)

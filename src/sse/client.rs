@@ -3,9 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt as _;
-
 use super::parser::{Item, Parser};
+use crate::target::{BoundedBody, ReadError, ReadLimits, TooLarge};
 
 /// An item and when it arrived, measured from the request's start.
 #[derive(Debug, Clone)]
@@ -38,6 +37,9 @@ pub enum EndReason {
     Deadline,
     /// The body failed mid-stream (connection reset, decoding error).
     BodyError(String),
+    /// The stream, one of its lines or one of its events crossed its cap
+    /// (`--max-body-bytes`, `--max-event-bytes`); the connection was closed.
+    TooLarge(TooLarge),
 }
 
 /// Everything observed on one stream.
@@ -54,6 +56,8 @@ pub struct StreamRecord {
     /// last frame to the end), for heartbeat checks.
     pub longest_silence: Duration,
     pub last_event_id: String,
+    /// Bytes of the stream read.
+    pub bytes: u64,
 }
 
 impl StreamRecord {
@@ -65,22 +69,24 @@ impl StreamRecord {
     }
 }
 
-/// Reads `response`'s body until `stop`, `cut_after` events, EOF or `deadline`.
-/// `started` is when the request was sent.
+/// Reads `response`'s body until `stop`, `cut_after` events, EOF or `deadline`, under the
+/// caps of `limits`. `started` is when the request was sent.
 pub async fn read_stream(
     response: reqwest::Response,
+    limits: ReadLimits,
     started: Instant,
     stop: Stop,
     cut_after: Option<usize>,
     deadline: Duration,
 ) -> StreamRecord {
-    read_stream_signalling(response, started, stop, cut_after, deadline, None).await
+    read_stream_signalling(response, limits, started, stop, cut_after, deadline, None).await
 }
 
 /// [`read_stream`], and once `signal`'s count of events has arrived, sends on its channel
 /// (and goes on reading): the caller injects a fault into the open stream's server.
 pub async fn read_stream_signalling(
     response: reqwest::Response,
+    limits: ReadLimits,
     started: Instant,
     stop: Stop,
     cut_after: Option<usize>,
@@ -88,7 +94,6 @@ pub async fn read_stream_signalling(
     mut signal: Option<(usize, tokio::sync::oneshot::Sender<()>)>,
 ) -> StreamRecord {
     let mut parser = Parser::new();
-    let mut body = response.bytes_stream();
     let mut record = StreamRecord {
         items: Vec::new(),
         first_byte: None,
@@ -97,10 +102,19 @@ pub async fn read_stream_signalling(
         end: EndReason::Deadline,
         longest_silence: Duration::ZERO,
         last_event_id: String::new(),
+        bytes: 0,
     };
     let mut events = 0usize;
     let mut last_frame = Duration::ZERO;
     let end_at = tokio::time::Instant::from_std(started + deadline);
+    // The stream's lines and events are counted as they arrive, before the parser keeps them.
+    let mut body = match BoundedBody::new(response, limits) {
+        Ok(body) => body,
+        Err(t) => {
+            record.end = EndReason::TooLarge(t);
+            return record;
+        }
+    };
     'read: loop {
         let next = tokio::time::timeout_at(end_at, body.next()).await;
         let chunk = match next {
@@ -115,6 +129,10 @@ pub async fn read_stream_signalling(
                     record.items.push(Timed { at, item });
                 }
                 record.end = EndReason::Eof;
+                break;
+            }
+            Ok(Some(Err(ReadError::TooLarge(t)))) => {
+                record.end = EndReason::TooLarge(t);
                 break;
             }
             Ok(Some(Err(e))) => {
@@ -157,6 +175,7 @@ pub async fn read_stream_signalling(
             }
         }
     }
+    record.bytes = body.read();
     let end = record.eof.unwrap_or_else(|| started.elapsed());
     record.longest_silence = record.longest_silence.max(end.saturating_sub(last_frame));
     // The parser may have read past a cut; the last id is that of the last item kept.
@@ -223,7 +242,15 @@ pub(crate) mod tests {
         let client = crate::target::build_client(None).unwrap();
         let started = Instant::now();
         let response = client.get(&url).send().await.unwrap();
-        let record = read_stream(response, started, Stop::Eof, None, Duration::from_secs(10)).await;
+        let record = read_stream(
+            response,
+            ReadLimits::default(),
+            started,
+            Stop::Eof,
+            None,
+            Duration::from_secs(10),
+        )
+        .await;
         assert_eq!(record.end, EndReason::Eof);
         let events: Vec<(&str, Option<&str>)> = record
             .events()
@@ -254,6 +281,7 @@ pub(crate) mod tests {
         let r = client.get(&url).send().await.unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Event("exit".into()),
             None,
@@ -264,6 +292,7 @@ pub(crate) mod tests {
         let r = client.get(&url).send().await.unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Eof,
             Some(2),
@@ -286,6 +315,7 @@ pub(crate) mod tests {
             .unwrap();
         let record = read_stream(
             r,
+            ReadLimits::default(),
             Instant::now(),
             Stop::Eof,
             None,
@@ -304,10 +334,17 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn eventsource_client_sees_the_same_events() {
         let url = canned_server(CHUNKS.to_vec(), Duration::from_millis(5)).await;
-        let seen =
-            crate::sse::interop::consume(url, None, None, Stop::Eof, None, Duration::from_secs(10))
-                .await
-                .unwrap();
+        let seen = crate::sse::interop::consume(
+            url,
+            ReadLimits::default(),
+            None,
+            None,
+            Stop::Eof,
+            None,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
         let seen: Vec<(&str, Option<&str>)> = seen
             .iter()
             .map(|(t, id)| (t.as_str(), id.as_deref()))

@@ -1,32 +1,66 @@
 //! Interoperability probe: consumes a stream with the `eventsource-client` crate, an
 //! ordinary SSE client, so that a stream the strict parser accepts is also one a popular
 //! client can read. Reconnection is off: the probe reads one connection, as the strict
-//! client did.
+//! client did, and under the same caps: its transport counts the stream's lines and events
+//! with the runner's [`Meter`] and ends the stream at the first byte over a cap.
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use eventsource_client::{self as es, Client as _};
 use futures_util::StreamExt as _;
+use launchdarkly_sdk_transport::{
+    ByteStream, HttpTransport, Request, Response, ResponseFuture, TransportError,
+};
 
 use super::Stop;
+use crate::target::{Framing, Meter, ReadLimits};
+
+/// A transport whose response bodies are read through a [`Meter`] of the run's caps.
+#[derive(Clone)]
+struct Capped<T> {
+    inner: T,
+    limits: ReadLimits,
+}
+
+impl<T: HttpTransport> HttpTransport for Capped<T> {
+    fn request(&self, request: Request<Option<Bytes>>) -> ResponseFuture {
+        let response = self.inner.request(request);
+        let limits = self.limits;
+        Box::pin(async move {
+            let (parts, body) = response.await?.into_parts();
+            let mut meter = Meter::body(limits, Framing::Sse);
+            let body: ByteStream = Box::pin(body.map(move |chunk| {
+                let chunk = chunk?;
+                meter.take(&chunk).map_err(TransportError::new)?;
+                Ok(chunk)
+            }));
+            Ok(Response::from_parts(parts, body))
+        })
+    }
+}
 
 /// What the probe saw: `(event type, id)` per event, in order.
 pub type Seen = Vec<(String, Option<String>)>;
 
 /// Reads `url` like the strict client does: until `stop`, `cut_after` events, EOF or
-/// `deadline`.
+/// `deadline`, under the caps of `limits`.
 pub async fn consume(
     url: String,
+    limits: ReadLimits,
     bearer: Option<String>,
     last_event_id: Option<String>,
     stop: Stop,
     cut_after: Option<usize>,
     deadline: Duration,
 ) -> Result<Seen, String> {
-    let transport = launchdarkly_sdk_transport::HyperTransport::builder()
-        .connect_timeout(Duration::from_secs(10))
-        .build_http()
-        .map_err(|e| format!("transport: {e}"))?;
+    let transport = Capped {
+        inner: launchdarkly_sdk_transport::HyperTransport::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build_http()
+            .map_err(|e| format!("transport: {e}"))?,
+        limits,
+    };
     let mut builder = es::ClientBuilder::for_url(&url).map_err(|e| format!("url: {e:?}"))?;
     if let Some(token) = bearer {
         builder = builder

@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use super::conn::describe_reqwest;
 use super::error::TargetError;
+use super::read::{ReadLimits, read_body};
+use super::throttle::send_patiently;
+use super::usage::Usage;
 
 /// Capabilities a scenario may require. Features come from `capabilities.features`
 /// ([`FEATURES`]); `two_providers` means at least two providers are advertised (for
@@ -191,18 +194,21 @@ impl Capabilities {
     }
 }
 
-/// `GET /v1/capabilities` as the owner.
+/// `GET /v1/capabilities` as the owner, its answer read under `limits`, throttling waited
+/// out; counted in `usage`.
 pub async fn fetch_capabilities(
     client: &reqwest::Client,
     base_url: &str,
     token: &str,
+    limits: ReadLimits,
+    usage: &Usage,
 ) -> Result<Capabilities, TargetError> {
     let url = format!("{base_url}/v1/capabilities");
-    let response = client
+    let request = client
         .get(&url)
         .bearer_auth(token)
-        .timeout(Duration::from_secs(15))
-        .send()
+        .timeout(Duration::from_secs(15));
+    let response = send_patiently(request, usage)
         .await
         .map_err(|e| TargetError::Unreachable {
             url: url.clone(),
@@ -215,13 +221,13 @@ pub async fn fetch_capabilities(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let body = response
-        .bytes()
+    let body = read_body(response, limits, None)
         .await
         .map_err(|e| TargetError::Unreachable {
             url: url.clone(),
-            reason: describe_reqwest(&e),
+            reason: e.to_string(),
         })?;
+    usage.received(body.len() as u64);
     if !status.is_success() {
         return Err(TargetError::BadCapabilities {
             url,

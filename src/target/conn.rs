@@ -7,6 +7,7 @@ use std::sync::Once;
 use std::time::Duration;
 
 use super::error::TargetError;
+pub use super::read::describe_reqwest;
 
 /// The default of `--request-timeout`.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -32,6 +33,10 @@ pub struct Conn<'a> {
     pub base_url: &'a str,
     pub client: &'a reqwest::Client,
     pub request_timeout: Duration,
+    /// The caps on what the target sends.
+    pub limits: super::read::ReadLimits,
+    /// What the run consumed: a sweep's requests count too.
+    pub usage: &'a super::usage::Usage,
 }
 
 /// Installs the ring crypto provider for rustls once per process (reqwest is built with
@@ -79,22 +84,6 @@ pub fn checked_base_url(base_url: &str) -> Result<String, TargetError> {
         return Err(TargetError::BadUrl(base_url.to_owned()));
     }
     Ok(base_url.trim_end_matches('/').to_owned())
-}
-
-/// A one-line description of a transport error, with its innermost cause.
-pub fn describe_reqwest(e: &reqwest::Error) -> String {
-    let mut source: &dyn std::error::Error = e;
-    while let Some(next) = source.source() {
-        source = next;
-    }
-    let kind = if e.is_connect() {
-        "cannot connect"
-    } else if e.is_timeout() {
-        "timed out"
-    } else {
-        "request failed"
-    };
-    format!("{kind}: {source}")
 }
 
 /// 32 random bytes, hex-encoded, with a recognisable prefix for the sanitizer.

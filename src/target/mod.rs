@@ -10,9 +10,12 @@
 mod capabilities;
 mod conn;
 mod error;
+mod read;
 mod reference;
 mod service;
 mod spec;
+mod throttle;
+mod usage;
 
 use std::time::Duration;
 
@@ -22,6 +25,11 @@ pub use conn::{
     install_crypto_provider, random_token, read_ca,
 };
 pub use error::TargetError;
+pub use read::{
+    BoundedBody, CappedReader, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_EVENT_BYTES, Framing,
+    MAX_OUTPUT_LINE_BYTES, Meter, OutputLine, ReadError, ReadLimits, TooLarge, Tripped, Unit,
+    next_output_line, next_short_output_line, parse_size, read_body,
+};
 pub use reference::{
     Control, NO_DATABASE_CONTROL, NO_SERVER_CONTROL, REFERENCE_FAST_SETTINGS, ReferenceOptions,
     ReferenceServer,
@@ -29,6 +37,11 @@ pub use reference::{
 pub use service::Service;
 use spec::Opening;
 pub use spec::{CheckedSpec, Endpoint, TargetSpec, UrlEndpoint};
+pub use throttle::{
+    DEFAULT_WAIT, MAX_ATTEMPTS, MIN_WAIT, OWN_REQUEST_PATIENCE, Throttle, send_patiently,
+    throttle_of,
+};
+pub use usage::{AccountLimits, Consumption, Throttles, Usage};
 
 use crate::profile::{Api, CapabilitySource, Profile};
 
@@ -63,6 +76,11 @@ pub struct Target {
     /// How long a plain request may wait for its response headers, and then for each read of
     /// its body (`--request-timeout`); streams are bounded by their steps' deadlines.
     pub request_timeout: Duration,
+    /// The caps on what the target sends (`--max-body-bytes`, `--max-event-bytes`).
+    pub limits: ReadLimits,
+    /// What the run consumed of the target's account; shared with every deployment started
+    /// for one of its scenarios.
+    pub usage: std::sync::Arc<Usage>,
     /// The sandbox MCP server the MCP profile drives, and its tool map (`--api mcp`).
     pub mcp: Option<crate::mcp::McpServer>,
     /// The reference server, when this target started it; killed on drop.
@@ -124,13 +142,14 @@ impl Target {
         let spec = checked;
         let mut target = match spec.opening {
             Opening::Launch(launch) => Target::launched(spec.api, launch.await?)?,
-            Opening::Url(url) => Target::connect_url(spec.api, &url).await?,
+            Opening::Url(url) => Target::connect_url(spec.api, &url, spec.limits).await?,
             Opening::Reference(options) => {
                 Target::start_reference(&options).await?.speaking(spec.api)
             }
         };
         target.mcp = spec.mcp;
         target.request_timeout = spec.request_timeout;
+        target.limits = spec.limits;
         target.envd_domain.clone_from(&spec.envd_domain);
         target
             .capabilities
@@ -162,6 +181,8 @@ impl Target {
             peer: None,
             wait_budget: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            limits: ReadLimits::default(),
+            usage: std::sync::Arc::default(),
             mcp: None,
             _server: None,
             launcher: None,
@@ -182,6 +203,8 @@ impl Target {
             base_url: &self.base_url,
             client: &self.client,
             request_timeout: self.request_timeout,
+            limits: self.limits,
+            usage: &self.usage,
         }
     }
 
@@ -192,7 +215,11 @@ impl Target {
 
     /// A deployment at a URL, behind the live guard, with tokens from the named environment
     /// variables; its capabilities read as the profile reads them.
-    async fn connect_url(api: Api, url: &UrlEndpoint) -> Result<Target, TargetError> {
+    async fn connect_url(
+        api: Api,
+        url: &UrlEndpoint,
+        limits: ReadLimits,
+    ) -> Result<Target, TargetError> {
         crate::live::guard(&url.url, url.live).map_err(|e| TargetError::Usage(e.to_string()))?;
         let read = |name: &str| {
             std::env::var(name).map_err(|_| TargetError::MissingTokenEnv(name.to_owned()))
@@ -205,7 +232,7 @@ impl Target {
         let ca = url.ca_file.as_deref().map(read_ca).transpose()?;
         let mut target = match api.profile().capability_source() {
             CapabilitySource::Advertised => {
-                Target::connect_with_tokens(&url.url, tokens, ca).await?
+                Target::connect_with(&url.url, tokens, ca, limits).await?
             }
             CapabilitySource::Told => {
                 let base_url = checked_base_url(&url.url)?;
@@ -282,17 +309,40 @@ impl Target {
         tokens: Tokens,
         ca: Option<reqwest::Certificate>,
     ) -> Result<Target, TargetError> {
+        Target::connect_with(base_url, tokens, ca, ReadLimits::default()).await
+    }
+
+    /// [`Target::connect_with_tokens`], reading what the target sends under `limits`.
+    async fn connect_with(
+        base_url: &str,
+        tokens: Tokens,
+        ca: Option<reqwest::Certificate>,
+        limits: ReadLimits,
+    ) -> Result<Target, TargetError> {
         let base_url = checked_base_url(base_url)?;
         let client = build_client(ca.as_ref())?;
-        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
-        Ok(Target::new(base_url, client, tokens, capabilities, ca))
+        let usage = std::sync::Arc::new(Usage::default());
+        let capabilities =
+            fetch_capabilities(&client, &base_url, &tokens.owner, limits, &usage).await?;
+        Ok(Target {
+            limits,
+            usage,
+            ..Target::new(base_url, client, tokens, capabilities, ca)
+        })
     }
 
     /// Adds a peer: `peer_url` serves the same deployment and takes the same tokens. Its
     /// capabilities must be readable, as the target's are.
     pub async fn with_peer_url(mut self, peer_url: &str) -> Result<Target, TargetError> {
         let base_url = checked_base_url(peer_url)?;
-        fetch_capabilities(&self.client, &base_url, &self.tokens.owner).await?;
+        fetch_capabilities(
+            &self.client,
+            &base_url,
+            &self.tokens.owner,
+            self.limits,
+            &self.usage,
+        )
+        .await?;
         self.peer = Some(Peer {
             base_url,
             _server: None,
@@ -308,11 +358,14 @@ impl Target {
         let tokens = server.tokens.clone();
         let client = build_client(None)?;
         let base_url = server.url.clone();
-        let capabilities = fetch_capabilities(&client, &base_url, &tokens.owner).await?;
+        let limits = ReadLimits::default();
+        let usage = std::sync::Arc::new(Usage::default());
+        let capabilities =
+            fetch_capabilities(&client, &base_url, &tokens.owner, limits, &usage).await?;
         let peer = match &options.database_url {
             Some(_) => {
                 let second = ReferenceServer::start_with_tokens(options, tokens.clone()).await?;
-                fetch_capabilities(&client, &second.url, &tokens.owner).await?;
+                fetch_capabilities(&client, &second.url, &tokens.owner, limits, &usage).await?;
                 Some(Peer {
                     base_url: second.url.clone(),
                     _server: Some(second),
@@ -322,6 +375,7 @@ impl Target {
         };
         Ok(Target {
             kind: "reference",
+            usage,
             peer,
             _server: Some(server),
             launcher: Some(options.clone()),
@@ -369,13 +423,27 @@ impl Target {
         };
         let primary = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
         let client = build_client(None)?;
-        let capabilities = fetch_capabilities(&client, &primary.url, &self.tokens.owner).await?;
+        let capabilities = fetch_capabilities(
+            &client,
+            &primary.url,
+            &self.tokens.owner,
+            self.limits,
+            &self.usage,
+        )
+        .await?;
         let base_url = primary.url.clone();
         let mut servers = vec![primary];
         let mut peer = None;
         if options.database_url.is_some() {
             let second = ReferenceServer::start_with_tokens(&options, self.tokens.clone()).await?;
-            fetch_capabilities(&client, &second.url, &self.tokens.owner).await?;
+            fetch_capabilities(
+                &client,
+                &second.url,
+                &self.tokens.owner,
+                self.limits,
+                &self.usage,
+            )
+            .await?;
             peer = Some(Peer {
                 base_url: second.url.clone(),
                 _server: None,
@@ -390,6 +458,8 @@ impl Target {
             peer,
             wait_budget: self.wait_budget,
             request_timeout: self.request_timeout,
+            limits: self.limits,
+            usage: self.usage.clone(),
             control: Some(Control {
                 servers: tokio::sync::Mutex::new(servers),
                 cluster,

@@ -8,10 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::AsyncBufReadExt as _;
-
 use super::conn::{Tokens, random_token};
 use super::error::TargetError;
+use super::read::{next_output_line, next_short_output_line};
 
 /// How to start the reference server.
 #[derive(Debug, Clone, Default)]
@@ -189,23 +188,26 @@ async fn spawn_serve(
     // Keep the server's log available for failure messages without letting the pipe fill.
     let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let log_writer = log.clone();
+    // Each line is kept up to the output line cap; a longer one is read and cut.
     tokio::spawn(async move {
-        let mut lines = tokio::io::BufReader::new(stderr).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
+        let mut lines = tokio::io::BufReader::new(stderr);
+        while let Ok(Some(line)) = next_output_line(&mut lines).await {
             let mut log = log_writer.lock().expect("log lock");
             if log.len() < 200 {
-                log.push(line);
+                log.push(line.shown());
             }
         }
     });
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
-    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await;
+    let mut lines = tokio::io::BufReader::new(stdout);
+    let first =
+        tokio::time::timeout(Duration::from_secs(30), next_short_output_line(&mut lines)).await;
     let url = match first {
-        Ok(Ok(Some(line))) => match line.strip_prefix("listening on ") {
-            Some(url) => url.trim().to_owned(),
-            None => {
+        Ok(Ok(Some(line))) => match line.text.strip_prefix("listening on ") {
+            Some(url) if line.cut_from.is_none() => url.trim().to_owned(),
+            _ => {
                 return Err(spawn_err(format!(
-                    "unexpected first line on stdout: {line:?}"
+                    "unexpected first line on stdout: {:?}",
+                    line.shown()
                 )));
             }
         },
@@ -219,7 +221,7 @@ async fn spawn_serve(
         Err(_) => return Err(spawn_err("no `listening on` line within 30 s".into())),
     };
     // Drain the rest of stdout so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    tokio::spawn(async move { while let Ok(Some(_)) = next_output_line(&mut lines).await {} });
     Ok((child, url))
 }
 
@@ -367,5 +369,39 @@ mod tests {
                 0o600
             );
         }
+    }
+
+    /// A server binary whose first line of output never ends fails the start at once, the
+    /// line kept cut to the output line cap.
+    #[tokio::test]
+    async fn an_endless_first_line_fails_the_start_with_the_line_cut() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let binary = dir.path().join("serve");
+        std::fs::write(
+            &binary,
+            "#!/bin/sh\nhead -c 200000000 /dev/zero | tr '\\0' x\nsleep 60\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let options = ReferenceOptions {
+            binary,
+            ..ReferenceOptions::default()
+        };
+        let started = std::time::Instant::now();
+        let err = match ReferenceServer::start(&options).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a server that never says where it listens is not started"),
+        };
+        assert!(
+            err.contains("unexpected first line") && err.contains("(a line of more than "),
+            "{}",
+            &err[err.len().saturating_sub(300)..]
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

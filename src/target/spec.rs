@@ -9,6 +9,7 @@ use futures_util::future::BoxFuture;
 
 use super::capabilities::Capabilities;
 use super::error::TargetError;
+use super::read::ReadLimits;
 use super::reference::ReferenceOptions;
 use crate::mcp::McpServer;
 use crate::profile::{Api, Launched};
@@ -28,6 +29,8 @@ pub struct TargetSpec {
     pub request_timeout: Duration,
     /// The run's wait budget (`--max-wait`); `None` waits everything out.
     pub wait_budget: Option<Duration>,
+    /// The caps on what the target sends (`--max-body-bytes`, `--max-event-bytes`).
+    pub limits: ReadLimits,
     /// With `--api mcp`: the command line of the sandbox MCP server under test and its tool
     /// map (a built-in name or a file).
     pub mcp_server: Option<String>,
@@ -92,6 +95,7 @@ impl TargetSpec {
             drop: Vec::new(),
             request_timeout: super::conn::DEFAULT_REQUEST_TIMEOUT,
             wait_budget: None,
+            limits: ReadLimits::default(),
             mcp_server: None,
             tool_map: "reference".to_owned(),
             envd_domain: None,
@@ -131,6 +135,7 @@ impl TargetSpec {
             drop: self.drop,
             request_timeout: self.request_timeout,
             wait_budget: self.wait_budget,
+            limits: self.limits,
             envd_domain: self.envd_domain,
             mcp,
         })
@@ -145,6 +150,7 @@ pub struct CheckedSpec {
     pub(super) drop: Vec<String>,
     pub(super) request_timeout: Duration,
     pub(super) wait_budget: Option<Duration>,
+    pub(super) limits: ReadLimits,
     pub(super) envd_domain: Option<String>,
     /// The MCP server the profile drives, with its tool map loaded.
     pub(super) mcp: Option<McpServer>,

@@ -17,13 +17,14 @@ use serde::Deserialize;
 use super::kind::{StepKind, secs};
 
 use crate::connect::{self, Item};
-use crate::engine::context::{CANARY_HEADER, Ctx, StepError, exchange, ms};
+use crate::engine::context::{CANARY_HEADER, Ctx, Failed, StepError, exchange, ms};
 use crate::engine::expect::{Observed, json_check};
 use crate::engine::transcript::{Body, Credential, Entry, HttpExchange, record_headers};
 use crate::profile::e2b::envd_route;
 use crate::scenario::{
     Capture, CheckCtx, Checker, JsonCheck, Located, NumExpr, Pos, Scope, Template, present,
 };
+use crate::target::{BoundedBody, ReadError, ReadLimits};
 
 /// A Connect-RPC call (JSON codec) to envd inside a sandbox, for the E2B profile: unary, or
 /// a server stream read to its end-of-stream message.
@@ -217,6 +218,16 @@ impl StepKind for Connect {
         self.error.is_none()
     }
 
+    /// A Connect error the step expects has its HTTP status: `resource_exhausted` is a 429,
+    /// `unavailable` a 503.
+    fn names_statuses(&self) -> Vec<u16> {
+        match self.error.as_deref() {
+            Some("resource_exhausted") => vec![429],
+            Some("unavailable") => vec![503],
+            _ => Vec::new(),
+        }
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.connect(self, label).await
     }
@@ -267,73 +278,98 @@ impl Ctx<'_> {
             Some(n) => Duration::from_secs(u64::try_from(self.vars.num(n)?).unwrap_or(0)),
             None => self.target.request_timeout,
         };
-        let mut builder = self.target.client.post(&url).body(body.clone());
-        for (k, v) in &headers {
-            builder = builder.header(k.as_str(), v.as_str());
-        }
-        let at_ms = self.at();
-        let sent = Instant::now();
-        let reading = async {
-            if c.stream && !c.until.is_empty() {
-                read_until(builder, limit, &c.until, &self.vars).await
-            } else {
-                exchange(builder, limit).await.map(|o| (o, false))
+        let what = format!("POST /{}", c.rpc.value);
+        let mut attempt = 1;
+        let (obs, stopped) = loop {
+            let mut builder = self.target.client.post(&url).body(body.clone());
+            for (k, v) in &headers {
+                builder = builder.header(k.as_str(), v.as_str());
             }
-        };
-        let (result, stopped) = match tokio::time::timeout(limit, reading).await {
-            Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
-            Ok(Err(e)) => (Err(e), false),
-            Err(_) if !c.until.is_empty() => (
-                Err((
-                    format!(
-                        "no message held `until` within {}s, and the stream did not end",
-                        limit.as_secs()
-                    ),
-                    false,
-                )),
-                false,
-            ),
-            Err(_) => (
-                Err((
-                    format!("the call did not complete within {}s", limit.as_secs()),
-                    false,
-                )),
-                false,
-            ),
-        };
-        let mut record = HttpExchange {
-            step: label.to_owned(),
-            at_ms,
-            credential: Credential::None,
-            method: "POST".to_owned(),
-            target: url
-                .strip_prefix(&self.target.base_url)
-                .unwrap_or(&url)
-                .to_owned(),
-            request_headers: headers,
-            request_body: Some(Body::of(&body)),
-            status: None,
-            response_headers: Vec::new(),
-            response_body: None,
-            duration_ms: ms(sent.elapsed()),
-            error: None,
-        };
-        let obs = match result {
-            Ok(obs) => obs,
-            Err((reason, connect)) => {
-                record.error = Some(reason.clone());
-                self.transcript.push(Entry::Http(record));
-                return Err(if connect {
-                    StepError::Error(reason)
+            let at_ms = self.at();
+            let sent = Instant::now();
+            self.target.usage.sent(body.len() as u64);
+            let reading = async {
+                if c.stream && !c.until.is_empty() {
+                    read_until(builder, limit, self.target.limits, &c.until, &self.vars).await
                 } else {
-                    StepError::Fail(format!("no response: {reason}"))
-                });
+                    exchange(builder, limit, self.target.limits)
+                        .await
+                        .map(|o| (o, false))
+                }
+            };
+            let (result, stopped) = match tokio::time::timeout(limit, reading).await {
+                Ok(Ok((obs, stopped))) => (Ok(obs), stopped),
+                Ok(Err(e)) => (Err(e), false),
+                Err(_) if !c.until.is_empty() => (
+                    Err(Failed {
+                        reason: format!(
+                            "no message held `until` within {}s, and the stream did not end",
+                            limit.as_secs()
+                        ),
+                        connect: false,
+                        head: None,
+                    }),
+                    false,
+                ),
+                Err(_) => (
+                    Err(Failed {
+                        reason: format!("the call did not complete within {}s", limit.as_secs()),
+                        connect: false,
+                        head: None,
+                    }),
+                    false,
+                ),
+            };
+            let mut record = HttpExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: Credential::None,
+                method: "POST".to_owned(),
+                target: url
+                    .strip_prefix(&self.target.base_url)
+                    .unwrap_or(&url)
+                    .to_owned(),
+                request_headers: headers.clone(),
+                request_body: Some(Body::of(&body)),
+                status: None,
+                response_headers: Vec::new(),
+                response_body: None,
+                duration_ms: ms(sent.elapsed()),
+                error: None,
+            };
+            let obs = match result {
+                Ok(obs) => obs,
+                Err(failed) => {
+                    let reason = failed.reason;
+                    record.error = Some(reason.clone());
+                    if let Some((status, headers)) = &failed.head {
+                        record.status = Some(*status);
+                        record.response_headers = record_headers(headers);
+                    }
+                    self.transcript.push(Entry::Http(record));
+                    return Err(if failed.connect {
+                        StepError::Error(reason)
+                    } else if let Some((status, _)) = failed.head {
+                        StepError::Fail(format!("status {status}, but {reason}"))
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            };
+            self.target.usage.received(obs.body.len() as u64);
+            record.status = Some(obs.status);
+            record.response_headers = record_headers(&obs.headers);
+            record.response_body = Some(Body::of(&obs.body));
+            self.transcript.push(Entry::Http(record));
+            match self
+                .wait_out(label, &what, obs.status, &obs.headers, attempt)
+                .await
+            {
+                Ok(true) => attempt += 1,
+                Ok(false) => break (obs, stopped),
+                Err(reason) => return Err(StepError::Error(reason)),
             }
         };
-        record.status = Some(obs.status);
-        record.response_headers = record_headers(&obs.headers);
-        record.response_body = Some(Body::of(&obs.body));
-        self.transcript.push(Entry::Http(record));
         let messages = if !c.until.is_empty() {
             Some(self.judge_until(&obs, stopped)?)
         } else if c.stream {
@@ -594,40 +630,48 @@ impl Ctx<'_> {
 async fn read_until(
     builder: reqwest::RequestBuilder,
     limit: Duration,
+    limits: ReadLimits,
     until: &[crate::scenario::JsonCheck],
     vars: &crate::engine::vars::Vars<'_>,
-) -> Result<(Observed, bool), (String, bool)> {
+) -> Result<(Observed, bool), Failed> {
     let secs = limit.as_secs_f64();
-    let mut response = match builder.timeout(limit).send().await {
+    let response = match builder.timeout(limit).send().await {
         Ok(r) => r,
         Err(e) => {
-            return Err((crate::target::describe_reqwest(&e), e.is_connect()));
+            return Err(Failed {
+                reason: crate::target::describe_reqwest(&e),
+                connect: e.is_connect(),
+                head: None,
+            });
         }
     };
     let status = response.status().as_u16();
     let headers = response.headers().clone();
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
     let streamed = status == 200
         && headers
             .get(reqwest::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|ct| ct.starts_with("application/connect+json"));
+    let mut reader = BoundedBody::new(response, limits).map_err(|t| failed(t.to_string()))?;
     let mut parser = connect::Parser::new();
     let mut body = Vec::new();
     let mut stopped = false;
     loop {
-        let chunk = match response.chunk().await {
-            Ok(Some(chunk)) => chunk,
-            Ok(None) => break,
-            Err(e) if e.is_timeout() => {
-                return Err((
-                    format!(
-                        "the stream stalled after {} bytes within {secs}s",
-                        body.len()
-                    ),
-                    false,
-                ));
+        let chunk = match reader.next().await {
+            Some(Ok(chunk)) => chunk,
+            None => break,
+            Some(Err(ReadError::Transport(e))) if e.is_timeout() => {
+                return Err(failed(format!(
+                    "the stream stalled after {} bytes within {secs}s",
+                    body.len()
+                )));
             }
-            Err(e) => return Err((crate::target::describe_reqwest(&e), false)),
+            Some(Err(e)) => return Err(failed(e.to_string())),
         };
         body.extend_from_slice(&chunk);
         if !streamed {
@@ -642,7 +686,7 @@ async fn read_until(
             break;
         }
     }
-    drop(response);
+    drop(reader);
     Ok((
         Observed {
             status,
@@ -712,9 +756,15 @@ mod tests {
             .unwrap()
             .post(url)
             .body("x");
-        read_until(builder, Duration::from_secs(30), checks, &vars)
-            .await
-            .unwrap()
+        read_until(
+            builder,
+            Duration::from_secs(30),
+            ReadLimits::default(),
+            checks,
+            &vars,
+        )
+        .await
+        .unwrap()
     }
 
     #[tokio::test]

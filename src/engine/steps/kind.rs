@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::engine::context::{Ctx, StepError};
 use crate::engine::vars::Vars;
+use crate::profile::Profile;
 use crate::scenario::{CheckCtx, Checker, Expect, NumExpr, Scope};
 
 /// One kind of step: a module of `crate::engine::steps` with its model, registered in one
@@ -58,6 +59,19 @@ pub trait StepKind {
         false
     }
 
+    /// How many sandboxes the step may create, at most, by its model (before it runs): what
+    /// `--max-sandboxes` weighs a scenario by.
+    fn sandboxes(&self, _vars: &Vars<'_>, _profile: &dyn Profile) -> u64 {
+        0
+    }
+
+    /// The HTTP statuses the step's expectations name. A throttling answer (429, or 503 with
+    /// `Retry-After`) with one of them is the step's to judge as it is, never waited out and
+    /// sent again: a quota or stream-limit check sees its limit.
+    fn names_statuses(&self) -> Vec<u16> {
+        Vec::new()
+    }
+
     /// Runs the step; `label` names it in what it records.
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError>;
 }
@@ -74,6 +88,14 @@ pub fn expects_2xx(e: &Expect) -> bool {
         (None, []) => true,
         (None, list) => list.iter().any(|st| (200..300).contains(st)),
     }
+}
+
+/// The statuses an expectation names.
+pub fn named_statuses(e: &Expect) -> Vec<u16> {
+    e.status
+        .into_iter()
+        .chain(e.status_in.iter().copied())
+        .collect()
 }
 
 /// Seconds from a number a step declares; one that cannot be worked out yet counts as none.

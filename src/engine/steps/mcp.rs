@@ -149,6 +149,15 @@ impl StepKind for Mcp {
         !self.refused && self.action != Action::Shutdown
     }
 
+    /// A create through the MCP server makes a sandbox on the control plane.
+    fn sandboxes(
+        &self,
+        _vars: &crate::engine::vars::Vars<'_>,
+        _profile: &dyn crate::profile::Profile,
+    ) -> u64 {
+        u64::from(self.action == crate::mcp::Action::Create)
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.mcp(self, label).await
     }
@@ -220,15 +229,16 @@ impl Ctx<'_> {
                 env,
             };
             self.secrets.push(self.target.tokens.owner.clone());
-            let session = tokio::time::timeout(CALL_WAIT, McpSession::start(&command))
-                .await
-                .map_err(|_| {
-                    StepError::Fail(format!(
-                        "the MCP server did not finish `initialize` within {}s",
-                        CALL_WAIT.as_secs()
-                    ))
-                })?
-                .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
+            let session =
+                tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
+                    .await
+                    .map_err(|_| {
+                        StepError::Fail(format!(
+                            "the MCP server did not finish `initialize` within {}s",
+                            CALL_WAIT.as_secs()
+                        ))
+                    })?
+                    .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
             self.mcp_sessions.insert(
                 m.session.clone(),
                 RunSession {
@@ -287,6 +297,15 @@ impl Ctx<'_> {
             return Err(StepError::Fail(format!("`{tool}` refused: {}", reply.text)));
         }
         self.saw_success = true;
+        // A sandbox the server created counts in what the run consumed, by the handle its
+        // tool returned (when the map says where it is).
+        if m.action == crate::mcp::Action::Create
+            && let Some(handle) = binding.handle(&reply.value, &params)
+        {
+            self.target
+                .usage
+                .sandbox_created(&format!("/sandboxes/{}", toolmap::sandbox_of(&handle)));
+        }
         let mut failures = Vec::new();
         for check in &m.json {
             if let Err(msg) = json_check(check, &reply.value, &self.vars) {

@@ -7,8 +7,11 @@ use serde::Deserialize;
 use super::kind::{StepKind, named, secs};
 use super::request::Request;
 
-use crate::engine::context::{Ctx, StepError, exchange_holding, is_credential_header, ms};
+use crate::engine::context::{
+    Ctx, Failed, Prepared, StepError, exchange_holding, is_credential_header, ms, p_body,
+};
 use crate::engine::expect::{Observed, check_headers, problem_code};
+use crate::engine::throttle::OnThrottle;
 use crate::engine::transcript::{Body, Entry, HttpExchange, record_headers};
 use crate::engine::vars::Vars;
 use crate::scenario::{CheckCtx, Checker, HeaderCheck, Located, NumExpr, Pos, Principal, Scope};
@@ -140,6 +143,42 @@ impl StepKind for Parallel {
         total
     }
 
+    fn names_statuses(&self) -> Vec<u16> {
+        self.expect.iter().map(|t| t.status).collect()
+    }
+
+    /// The group's creates that its tallies let succeed: the `exactly` of its 2xx tallies
+    /// (a quota check's creates beyond the quota are refused on a correct target), or every
+    /// one when a 2xx tally takes the `rest` or no tally is given.
+    fn sandboxes(&self, vars: &Vars<'_>, profile: &dyn crate::profile::Profile) -> u64 {
+        let count = |n: &NumExpr| {
+            vars.num(n)
+                .ok()
+                .and_then(|n| u64::try_from(n.clamp(0, 1000)).ok())
+                .unwrap_or(0)
+        };
+        let repeat = self.repeat.as_ref().map_or(1, count);
+        let creating =
+            |r: &Request| u64::from(profile.creates_sandbox(r.method.as_str(), &r.path.raw));
+        let all: u64 = repeat * self.request.iter().map(creating).sum::<u64>()
+            + self.requests.iter().map(creating).sum::<u64>();
+        let successes: Vec<&Tally> = self
+            .expect
+            .iter()
+            .filter(|t| (200..300).contains(&t.status))
+            .collect();
+        if self.expect.is_empty() || successes.iter().any(|t| t.rest) {
+            return all;
+        }
+        all.min(
+            successes
+                .iter()
+                .filter_map(|t| t.exactly.as_ref())
+                .map(count)
+                .sum(),
+        )
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.parallel(self, label).await
     }
@@ -184,7 +223,9 @@ impl Ctx<'_> {
     /// One attempt of a `parallel` group. `close_streams`: a granted event stream is judged
     /// on its status and headers and then closed instead of being read to its end; it is held
     /// open until every request of the group has its answer, so that the group's streams are
-    /// open together however late a loaded machine sends the last request.
+    /// open together however late a loaded machine sends the last request. A request answered
+    /// with a throttling answer the tallies do not name is sent again once the longest such
+    /// wait of the group is over.
     async fn parallel_once(
         &mut self,
         p: &Parallel,
@@ -206,67 +247,103 @@ impl Ctx<'_> {
         for r in &p.requests {
             prepared.push(self.prepare(r)?);
         }
+        let what = |pr: &Prepared| format!("{} {}", pr.method.as_str(), pr.target);
         let client = self.target.client.clone();
         let limit = self.target.request_timeout;
+        let limits = self.target.limits;
+        let patience = self.patience();
+        let usage = self.target.usage.clone();
+        // Each request waits out its own throttling answers while the others are in flight,
+        // so that the group stays one group: a request sent again meets the others' streams
+        // still open.
         let futures = prepared.iter().map(|pr| {
-            let b = self.builder(&client, pr);
+            let builder = self.builder(&client, pr);
+            let (what, patience, usage) = (what(pr), patience.clone(), usage.clone());
+            let body = p_body(&pr.body).len() as u64;
             async move {
-                let sent = Instant::now();
-                let r = exchange_holding(b, limit, close_streams).await;
-                (r, sent.elapsed())
+                let mut throttled = Vec::new();
+                let mut waited = Duration::ZERO;
+                let mut attempt = 1;
+                loop {
+                    let b = builder.try_clone().expect("a request with a body of bytes");
+                    usage.sent(body);
+                    let sent = Instant::now();
+                    let r = exchange_holding(b, limit, limits, close_streams).await;
+                    let took = sent.elapsed();
+                    let decision = match &r {
+                        Ok((obs, _)) => {
+                            patience.on(&what, obs.status, &obs.headers, attempt, waited)
+                        }
+                        Err(_) => OnThrottle::Judge,
+                    };
+                    match decision {
+                        OnThrottle::Wait(t) => {
+                            tokio::time::sleep(t.wait).await;
+                            waited += t.wait;
+                            throttled.push((r.map(|(o, _)| o), took, t));
+                            attempt += 1;
+                        }
+                        OnThrottle::Judge => return (r, took, throttled, waited, None),
+                        OnThrottle::GiveUp(why) => return (r, took, throttled, waited, Some(why)),
+                    }
+                }
             }
         });
         let at_ms = self.at();
         let results = futures_util::future::join_all(futures).await;
-        // Every answer is in: the held streams close together.
-        let results: Vec<_> = results
-            .into_iter()
-            .map(|(r, took)| (r.map(|(observed, _held)| observed), took))
-            .collect();
+        // Granted streams stay open until every request of the group has its answer; then
+        // they close together.
+        let mut holding = Vec::new();
+        let mut answers: Vec<(Result<Observed, Failed>, Duration)> = Vec::new();
+        let mut longest = Duration::ZERO;
+        let mut gave_up = None;
+        for (pr, (result, took, throttled, waited, why)) in prepared.iter().zip(results) {
+            for (answer, took, t) in throttled {
+                self.record(label, at_ms, pr, &answer, took);
+                self.record_wait(label, &what(pr), &t);
+            }
+            longest = longest.max(waited);
+            let result = result.map(|(observed, held)| {
+                holding.extend(held);
+                observed
+            });
+            if let Some(why) = why {
+                self.record(label, at_ms, pr, &result, took);
+                gave_up.get_or_insert(why);
+                answers.push((Err(Failed::given_up()), took));
+            } else {
+                answers.push((result, took));
+            }
+        }
+        drop(holding);
+        self.spent_waiting(longest);
+        if let Some(why) = gave_up {
+            return Err(StepError::Error(why));
+        }
+        let at_ms = self.at();
         let before = self.ledger.len();
         let mut observed = Vec::new();
-        for (pr, (result, took)) in prepared.iter().zip(results) {
-            let mut exchange = HttpExchange {
-                step: label.to_owned(),
-                at_ms,
-                credential: self.credential(pr),
-                method: pr.method.as_str().to_owned(),
-                target: pr.target.clone(),
-                request_headers: pr
-                    .headers
-                    .iter()
-                    .filter(|(k, _)| !is_credential_header(k))
-                    .cloned()
-                    .collect(),
-                request_body: pr.body.as_ref().map(|(b, _)| Body::of(b)),
-                status: None,
-                response_headers: Vec::new(),
-                response_body: None,
-                duration_ms: ms(took),
-                error: None,
-            };
+        for (pr, (result, took)) in prepared.iter().zip(answers) {
+            self.record(label, at_ms, pr, &result, took);
             match result {
                 Ok(obs) => {
-                    exchange.status = Some(obs.status);
-                    exchange.response_headers = record_headers(&obs.headers);
-                    exchange.response_body = Some(Body::of(&obs.body));
                     if (200..300).contains(&obs.status) {
                         self.saw_success = true;
                     }
-                    self.remember_created(pr, &obs);
+                    self.observed(pr, &obs);
                     observed.push(obs);
                 }
-                Err((reason, connect)) => {
-                    exchange.error = Some(reason.clone());
-                    self.transcript.push(Entry::Http(exchange));
-                    return Err(if connect {
+                Err(failed) => {
+                    let reason = failed.reason;
+                    return Err(if failed.connect {
                         StepError::Error(reason)
+                    } else if let Some((status, _)) = failed.head {
+                        StepError::Fail(format!("status {status}, but {reason}"))
                     } else {
                         StepError::Fail(format!("no response: {reason}"))
                     });
                 }
             }
-            self.transcript.push(Entry::Http(exchange));
         }
         if p.removed_by_sweep {
             for created in &mut self.ledger[before..] {
@@ -279,6 +356,51 @@ impl Ctx<'_> {
         } else {
             Err(StepError::Fail(failures.join("; ")))
         }
+    }
+
+    /// Records one request of the group and its answer in the transcript.
+    fn record(
+        &mut self,
+        label: &str,
+        at_ms: u64,
+        pr: &Prepared,
+        result: &Result<Observed, Failed>,
+        took: Duration,
+    ) {
+        let mut exchange = HttpExchange {
+            step: label.to_owned(),
+            at_ms,
+            credential: self.credential(pr),
+            method: pr.method.as_str().to_owned(),
+            target: pr.target.clone(),
+            request_headers: pr
+                .headers
+                .iter()
+                .filter(|(k, _)| !is_credential_header(k))
+                .cloned()
+                .collect(),
+            request_body: pr.body.as_ref().map(|(b, _)| Body::of(b)),
+            status: None,
+            response_headers: Vec::new(),
+            response_body: None,
+            duration_ms: ms(took),
+            error: None,
+        };
+        match result {
+            Ok(obs) => {
+                exchange.status = Some(obs.status);
+                exchange.response_headers = record_headers(&obs.headers);
+                exchange.response_body = Some(Body::of(&obs.body));
+            }
+            Err(failed) => {
+                exchange.error = Some(failed.reason.clone());
+                if let Some((status, headers)) = &failed.head {
+                    exchange.status = Some(*status);
+                    exchange.response_headers = record_headers(headers);
+                }
+            }
+        }
+        self.transcript.push(Entry::Http(exchange));
     }
 }
 

@@ -49,6 +49,20 @@ impl StepKind for Poll {
         self.request.principal == Principal::Admin
     }
 
+    fn names_statuses(&self) -> Vec<u16> {
+        self.request.names_statuses()
+    }
+
+    /// A poll sends its request until it holds: a create polled counts once (it is retried
+    /// only while it does not succeed).
+    fn sandboxes(
+        &self,
+        vars: &crate::engine::vars::Vars<'_>,
+        profile: &dyn crate::profile::Profile,
+    ) -> u64 {
+        self.request.sandboxes(vars, profile)
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.poll(self, label).await
     }

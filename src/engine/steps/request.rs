@@ -6,12 +6,14 @@ use std::time::Duration;
 use regex::Regex;
 use serde::Deserialize;
 
-use super::kind::{StepKind, expects_2xx};
+use super::kind::{StepKind, expects_2xx, named_statuses};
 use crate::engine::bridge;
 use crate::engine::context::{
     CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
+use crate::engine::vars::Vars;
+use crate::profile::Profile;
 use crate::profile::e2b::{ENVD_PORT, file_signature, port_route};
 use crate::scenario::{
     Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
@@ -318,6 +320,19 @@ impl StepKind for Request {
 
     fn uses_admin(&self) -> bool {
         self.principal == Principal::Admin
+    }
+
+    fn names_statuses(&self) -> Vec<u16> {
+        named_statuses(&self.expect)
+    }
+
+    /// A create the step expects to succeed; one it expects to be refused makes nothing on a
+    /// correct target.
+    fn sandboxes(&self, _vars: &Vars<'_>, profile: &dyn Profile) -> u64 {
+        u64::from(
+            profile.creates_sandbox(self.method.as_str(), &self.path.raw)
+                && expects_2xx(&self.expect),
+        )
     }
 
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {

@@ -9,20 +9,21 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::kind::{StepKind, expects_2xx, secs};
+use super::kind::{StepKind, expects_2xx, named_statuses, secs};
 
 use crate::engine::context::{
     CANARY_HEADER, Ctx, FaultRecord, Prepared, StepError, is_credential_header, ms, with_problem,
     with_query,
 };
 use crate::engine::expect::{Observed, check_response, json_check, status_ok};
+use crate::engine::throttle::OnThrottle;
 use crate::engine::transcript::{Entry, Frame, SseExchange, record_headers};
 use crate::scenario::{
     CheckCtx, Checker, Expect, JsonCheck, Located, Method, NumExpr, Pos, Principal, Scope,
     Template, Via,
 };
 use crate::sse::{EndReason, Framing, Item, Stop, read_stream_signalling};
-use crate::target::describe_reqwest;
+use crate::target::{ReadError, describe_reqwest, read_body};
 
 /// `(event type, id)` per event, as an interop probe saw them.
 type Seen = Vec<(String, Option<String>)>;
@@ -230,6 +231,10 @@ impl StepKind for Sse {
         self.principal == Principal::Admin
     }
 
+    fn names_statuses(&self) -> Vec<u16> {
+        named_statuses(&self.expect)
+    }
+
     async fn run(&self, ctx: &mut Ctx<'_>, label: &str) -> Result<(), StepError> {
         ctx.sse(self, label).await
     }
@@ -300,53 +305,75 @@ impl Ctx<'_> {
             .as_ref()
             .map(|n| self.vars.num(n))
             .transpose()?;
-        let at_ms = self.at();
-        let sent = Instant::now();
-        // The response headers, like the stream after them, must come within the step's
-        // deadline; no request timeout beyond that.
-        let result = tokio::time::timeout(
-            deadline,
-            self.builder(&self.target.client, &prepared).send(),
-        )
-        .await;
-        let mut exchange = SseExchange {
-            step: label.to_owned(),
-            at_ms,
-            credential: self.credential(&prepared),
-            target: prepared.target.clone(),
-            last_event_id: last_event_id.clone(),
-            status: None,
-            response_headers: Vec::new(),
-            frames: Vec::new(),
-            first_frame_ms: None,
-            eof_ms: None,
-            end: String::new(),
-        };
-        let response = match result {
-            Ok(Ok(r)) => r,
-            Err(_) => {
-                let reason = format!(
-                    "no response: headers not received within {deadline_s}s (the step's deadline)"
-                );
-                exchange.end = format!("error: {reason}");
-                self.transcript.push(Entry::Sse(exchange));
-                return Err(StepError::Fail(reason));
+        let what = format!("GET {}", prepared.target);
+        let mut attempt = 1;
+        let (mut exchange, response, sent, status, headers) = loop {
+            let at_ms = self.at();
+            let sent = Instant::now();
+            self.target.usage.sent(0);
+            // The response headers, like the stream after them, must come within the step's
+            // deadline; no request timeout beyond that.
+            let result = tokio::time::timeout(
+                deadline,
+                self.builder(&self.target.client, &prepared).send(),
+            )
+            .await;
+            let mut exchange = SseExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: self.credential(&prepared),
+                target: prepared.target.clone(),
+                last_event_id: last_event_id.clone(),
+                status: None,
+                response_headers: Vec::new(),
+                frames: Vec::new(),
+                first_frame_ms: None,
+                eof_ms: None,
+                end: String::new(),
+            };
+            let response = match result {
+                Ok(Ok(r)) => r,
+                Err(_) => {
+                    let reason = format!(
+                        "no response: headers not received within {deadline_s}s (the step's deadline)"
+                    );
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Fail(reason));
+                }
+                Ok(Err(e)) => {
+                    let reason = describe_reqwest(&e);
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(if e.is_connect() {
+                        StepError::Error(reason)
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            };
+            let status = response.status().as_u16();
+            let headers = response.headers().clone();
+            exchange.status = Some(status);
+            exchange.response_headers = record_headers(&headers);
+            match self.throttle(&what, status, &headers, attempt) {
+                OnThrottle::Judge => break (exchange, response, sent, status, headers),
+                OnThrottle::GiveUp(reason) => {
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Error(reason));
+                }
+                OnThrottle::Wait(t) => {
+                    drop(response);
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    self.spent_waiting(t.wait);
+                    self.record_wait(label, &what, &t);
+                    tokio::time::sleep(t.wait).await;
+                    attempt += 1;
+                }
             }
-            Ok(Err(e)) => {
-                let reason = describe_reqwest(&e);
-                exchange.end = format!("error: {reason}");
-                self.transcript.push(Entry::Sse(exchange));
-                return Err(if e.is_connect() {
-                    StepError::Error(reason)
-                } else {
-                    StepError::Fail(format!("no response: {reason}"))
-                });
-            }
         };
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        exchange.status = Some(status);
-        exchange.response_headers = record_headers(&headers);
         let mut failures = Vec::new();
         let status_check = status_ok(&s.expect, status, Some(200));
         if status == 200
@@ -358,12 +385,25 @@ impl Ctx<'_> {
             return Err(StepError::Fail(msg));
         }
         if status != 200 {
-            // Not a stream: judge the response like any other.
-            let body = tokio::time::timeout(self.target.request_timeout, response.bytes())
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default();
+            // Not a stream: judge the response like any other, its body under the body cap.
+            let body = match read_body(
+                response,
+                self.target.limits,
+                Some(self.target.request_timeout),
+            )
+            .await
+            {
+                Ok(body) => {
+                    self.target.usage.received(body.len() as u64);
+                    body
+                }
+                Err(ReadError::TooLarge(t)) => {
+                    exchange.end = format!("not a stream: {t}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Fail(format!("status {status}, but {t}")));
+                }
+                Err(_) => bytes::Bytes::new(),
+            };
             exchange.end = "not a stream".into();
             self.transcript.push(Entry::Sse(exchange));
             let obs = Observed {
@@ -417,6 +457,7 @@ impl Ctx<'_> {
         let signal = s.stop_database_after.map(|n| (n as usize, tx));
         let strict = read_stream_signalling(
             response,
+            self.target.limits,
             sent,
             stop,
             s.cut_after.map(|n| n as usize),
@@ -438,6 +479,7 @@ impl Ctx<'_> {
             Some(done.map(|()| (at, ms(began.elapsed()))))
         };
         let (record, probed, stopped) = tokio::join!(strict, probe, outage);
+        self.target.usage.received(record.bytes);
         match stopped {
             Some(Ok((at_ms, took_ms))) => {
                 self.note(format!(
@@ -461,7 +503,10 @@ impl Ctx<'_> {
         }
         exchange.first_frame_ms = record.first_frame.map(ms);
         exchange.eof_ms = record.eof.map(ms);
-        exchange.end = format!("{:?}", record.end);
+        exchange.end = match &record.end {
+            EndReason::TooLarge(t) => format!("TooLarge: {t}"),
+            end => format!("{end:?}"),
+        };
         let mut framing = Framing::after(resume_after);
         if s.id_gaps {
             framing = framing.allowing_gaps();
@@ -506,6 +551,7 @@ impl Ctx<'_> {
         self.transcript.push(Entry::Sse(exchange));
         match (&record.end, &s.until, s.cut_after) {
             (EndReason::BodyError(e), _, _) => failures.push(format!("stream broke: {e}")),
+            (EndReason::TooLarge(t), _, _) => failures.push(format!("stream refused: {t}")),
             (EndReason::Cut, _, Some(_))
             | (EndReason::Stopped, _, _)
             | (EndReason::Eof, Until::Eof, None) => {}
@@ -687,9 +733,14 @@ impl Ctx<'_> {
                 .iter()
                 .any(|(k, v)| k == "Accept" && v.contains("text/event-stream"));
         let enabled = cfg!(feature = "interop") && s.interop && plain;
+        if enabled {
+            // A second request for the same stream: what the run sent counts it.
+            self.target.usage.sent(0);
+        }
         let url = format!("{}{}", self.base(p.via), p.target);
         let bearer = self.token(p.principal).map(str::to_owned);
         let cut_after = s.cut_after.map(|n| n as usize);
+        let limits = self.target.limits;
         async move {
             if !enabled {
                 return None;
@@ -699,6 +750,7 @@ impl Ctx<'_> {
                 Some(
                     crate::sse::interop::consume(
                         url,
+                        limits,
                         bearer,
                         last_event_id,
                         stop,
@@ -710,7 +762,15 @@ impl Ctx<'_> {
             }
             #[cfg(not(feature = "interop"))]
             {
-                let _ = (url, bearer, last_event_id, stop, cut_after, deadline);
+                let _ = (
+                    url,
+                    limits,
+                    bearer,
+                    last_event_id,
+                    stop,
+                    cut_after,
+                    deadline,
+                );
                 None
             }
         }

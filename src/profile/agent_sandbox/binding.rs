@@ -7,7 +7,7 @@ use futures_util::future::BoxFuture;
 use serde_json::Value;
 
 use super::launch::{LaunchedService, bearer, capabilities_of};
-use crate::live::{RunSweep, Swept, SweptList, sweep_run_over, why};
+use crate::live::{RunSweep, Swept, SweptList, get_json, sweep_run_over};
 use crate::profile::api::Api;
 use crate::profile::binding::{Clauses, Creation, Defects, Launched, Profile};
 use crate::profile::clauses::{ClauseTable, RowLevels};
@@ -143,21 +143,7 @@ async fn list_sessions(conn: &Conn<'_>, token: &str) -> Result<Vec<Value>, Strin
             url.query_pairs_mut().append_pair("after", a);
         }
         let (name, value) = bearer(token);
-        let response = conn
-            .client
-            .get(url)
-            .header(name, value)
-            .timeout(conn.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {list}: {}", why(conn, &e)))?;
-        if !response.status().is_success() {
-            return Err(format!("GET {list}: status {}", response.status()));
-        }
-        let page: Value = response
-            .json()
-            .await
-            .map_err(|e| format!("GET {list}: {e}"))?;
+        let (_, page) = get_json(conn, (name, &value), url, &format!("GET {list}")).await?;
         let data = page
             .get("data")
             .and_then(Value::as_array)

@@ -11,7 +11,6 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use tokio::io::AsyncBufReadExt as _;
 
 use crate::target::{Capabilities, Service, TargetError, Tokens, build_client, random_token};
 
@@ -61,6 +60,8 @@ pub struct LaunchedService {
     child: tokio::process::Child,
     /// The service's recent output, for the message when it will not start.
     log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// The tasks reading its stdout and stderr into `log`; they end at the pipes' EOF.
+    readers: Vec<tokio::task::JoinHandle<()>>,
     /// Holds the policy file, the base directory and the state directory; removed on drop.
     dir: tempfile::TempDir,
 }
@@ -87,7 +88,7 @@ impl LaunchedService {
             admin: None,
         };
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let child = spawn(command, dir.path(), port, &tokens, &log)?;
+        let (child, readers) = spawn(command, dir.path(), port, &tokens, &log)?;
         let mut service = LaunchedService {
             url: format!("http://127.0.0.1:{port}"),
             tokens,
@@ -95,6 +96,7 @@ impl LaunchedService {
             port,
             child,
             log,
+            readers,
             dir,
         };
         service.wait_healthy().await?;
@@ -106,7 +108,7 @@ impl LaunchedService {
     pub async fn restart(&mut self) -> Result<(), TargetError> {
         self.stop();
         self.log.lock().expect("log lock").clear();
-        self.child = spawn(
+        (self.child, self.readers) = spawn(
             &self.command,
             self.dir.path(),
             self.port,
@@ -139,7 +141,7 @@ impl LaunchedService {
             return Ok(false);
         }
         self.log.lock().expect("log lock").clear();
-        self.child = spawn(
+        (self.child, self.readers) = spawn(
             &self.command,
             self.dir.path(),
             self.port,
@@ -164,7 +166,10 @@ impl LaunchedService {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // Its output up to the pipes' end, however long its last line.
+                for reader in self.readers.drain(..) {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), reader).await;
+                }
                 let tail = self.log.lock().expect("log lock").join("\n");
                 return Err(spawn_err(format!(
                     "exited ({status}) before it was healthy; its output:\n{tail}"
@@ -220,7 +225,7 @@ fn spawn(
     port: u16,
     tokens: &Tokens,
     log: &std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-) -> Result<tokio::process::Child, TargetError> {
+) -> Result<(tokio::process::Child, Vec<tokio::task::JoinHandle<()>>), TargetError> {
     let base_dir = dir.join("base");
     let mut cmd = tokio::process::Command::new("sh");
     cmd.arg("-c")
@@ -240,6 +245,7 @@ fn spawn(
         binary: format!("--launch `{command}`"),
         reason: e.to_string(),
     })?;
+    let mut readers = Vec::new();
     for pipe in [
         child.stdout.take().map(Pipe::Out),
         child.stderr.take().map(Pipe::Err),
@@ -248,21 +254,22 @@ fn spawn(
     .flatten()
     {
         let log = log.clone();
-        tokio::spawn(async move {
+        readers.push(tokio::spawn(async move {
             let reader: Box<dyn tokio::io::AsyncRead + Send + Unpin> = match pipe {
                 Pipe::Out(p) => Box::new(p),
                 Pipe::Err(p) => Box::new(p),
             };
-            let mut lines = tokio::io::BufReader::new(reader).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
+            // Each line is kept up to the output line cap; a longer one is read and cut.
+            let mut reader = tokio::io::BufReader::new(reader);
+            while let Ok(Some(line)) = crate::target::next_output_line(&mut reader).await {
                 let mut log = log.lock().expect("log lock");
                 if log.len() < 200 {
-                    log.push(line);
+                    log.push(line.shown());
                 }
             }
-        });
+        }));
     }
-    Ok(child)
+    Ok((child, readers))
 }
 
 enum Pipe {
@@ -313,7 +320,12 @@ pub(super) async fn capabilities_of(
         .send()
         .await
     {
-        Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().await.ok(),
+        Ok(r) if r.status().is_success() => {
+            crate::target::read_body(r, crate::target::ReadLimits::default(), None)
+                .await
+                .ok()
+                .and_then(|body| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        }
         _ => None,
     };
     Ok(Capabilities {

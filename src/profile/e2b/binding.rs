@@ -9,7 +9,9 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-use crate::live::{RUN_TAG, RunSweep, Swept, SweptList, sweep_older_over, sweep_run_over, why};
+use crate::live::{
+    RUN_TAG, RunSweep, Swept, SweptList, get_json, sweep_older_over, sweep_run_over,
+};
 use crate::profile::api::Api;
 use crate::profile::binding::{Clauses, CreatedKind, Creation, Profile};
 use crate::profile::clauses::{ClauseTable, RowLevels};
@@ -118,6 +120,10 @@ impl Profile for E2b {
         created(method, path, status, body)
     }
 
+    fn creates_sandbox(&self, method: &str, path: &str) -> bool {
+        creates_sandbox(method, path)
+    }
+
     fn sweep_run<'a>(
         &'a self,
         conn: &'a Conn<'a>,
@@ -170,6 +176,11 @@ pub(crate) fn created(method: &str, path: &str, status: u16, body: &Value) -> Ve
         )],
         None => Vec::new(),
     }
+}
+
+/// A sandbox create of E2B's control plane (`POST /sandboxes`, `POST /v2/sandboxes`).
+pub(crate) fn creates_sandbox(method: &str, path: &str) -> bool {
+    method == "POST" && matches!(path, "/sandboxes" | "/v2/sandboxes")
 }
 
 /// The end-of-run sweep of an E2B control plane: for every principal, the running and paused
@@ -232,27 +243,13 @@ async fn list_all(
                 q.append_pair("nextToken", t);
             }
         }
-        let resp = conn
-            .client
-            .get(url)
-            .header("X-API-Key", token)
-            .timeout(conn.request_timeout)
-            .send()
-            .await
-            .map_err(|e| format!("GET {list}: {}", why(conn, &e)))?;
-        if !resp.status().is_success() {
-            return Err(format!("GET {list}: status {}", resp.status()));
-        }
-        next = resp
-            .headers()
+        let (headers, page) =
+            get_json(conn, ("X-API-Key", token), url, &format!("GET {list}")).await?;
+        next = headers
             .get("x-next-token")
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map(str::to_owned);
-        let page: Value = resp
-            .json()
-            .await
-            .map_err(|e| format!("GET {list}: {}", why(conn, &e)))?;
         let items = page
             .as_array()
             .ok_or_else(|| format!("GET {list}: not an array"))?;

@@ -6,6 +6,6 @@ mod journeys;
 mod router;
 
 pub use binding::{CLAUSES, E2b, ENVD_PORT, envd_route, file_signature, port_route};
-pub(super) use binding::{api_key, created, sweep_older_than, sweep_run};
+pub(super) use binding::{api_key, created, creates_sandbox, sweep_older_than, sweep_run};
 pub use journeys::JOURNEYS;
 pub use router::{DOMAIN, Router};
