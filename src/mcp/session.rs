@@ -22,6 +22,9 @@ pub struct RunSession {
     pub session: McpSession,
     /// How many of the session's exchanges are in the transcript already.
     pub recorded: usize,
+    /// The router the server reaches E2B's host names through, for a tool map with
+    /// `env.domain`; it lives as long as the session.
+    pub router: Option<crate::profile::e2b::Router>,
 }
 
 /// How to start the server under test.

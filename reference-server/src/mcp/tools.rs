@@ -172,6 +172,16 @@ impl SandboxTools {
                 schema(handle.clone()),
             ),
             Tool::new("kill_sandbox", "Kill a sandbox by handle.", schema(handle)),
+            Tool::new(
+                "run_command",
+                "Run a shell command in the sandbox the handle names and wait for its end. \
+                 Without a handle the command runs in a sandbox made for it, killed before \
+                 the call answers.",
+                schema(json!({"type": "object", "properties": {
+                    "handle": {"type": "string"},
+                    "command": {"type": "string"}},
+                    "required": ["command"], "additionalProperties": false})),
+            ),
         ]
     }
 
@@ -208,6 +218,24 @@ impl SandboxTools {
                     self.connect(&id).await
                 } else {
                     self.kill(&id).await
+                }
+            }
+            "run_command" => {
+                for k in args.keys() {
+                    if !matches!(k.as_str(), "handle" | "command") {
+                        return Ok(refused(format!("unknown argument `{k}`")));
+                    }
+                }
+                let Some(command) = str_arg("command") else {
+                    return Ok(refused("`command` (a string) is required"));
+                };
+                match args.get("handle") {
+                    None => self.run_alone(command).await,
+                    Some(Value::String(arg)) => match Self::sandbox_id(arg) {
+                        Ok(id) => self.run(id, command).await,
+                        Err(e) => refused(e),
+                    },
+                    Some(_) => refused("`handle` must be a string"),
                 }
             }
             other => {
@@ -325,6 +353,51 @@ impl SandboxTools {
                 s.borrowed.remove(id);
                 CallToolResult::structured(json!({ "handle": self.handle(id), "killed": true }))
             }
+            Err(e) => control_refused(e),
+        }
+    }
+
+    /// Runs `command` in the sandbox `id`.
+    async fn run(&self, id: &str, command: &str) -> CallToolResult {
+        let mut target = id.to_owned();
+        if self.defects.has(Defect::McpRunsElsewhere)
+            && let Some(other) = lock(&self.state).created.iter().find(|c| *c != id)
+        {
+            target = other.clone();
+        }
+        match self.control.run(&target, command).await {
+            Ok((stdout, stderr, exit_code)) => CallToolResult::structured(json!({
+                "handle": self.handle(id),
+                "stdout": stdout,
+                "stderr": stderr,
+                "exit_code": exit_code,
+            })),
+            Err(e) => control_refused(e),
+        }
+    }
+
+    /// Runs `command` in a sandbox made for it, which is killed before the call answers: a
+    /// command that names no sandbox leaves none behind.
+    async fn run_alone(&self, command: &str) -> CallToolResult {
+        let id = match self.control.create(300).await {
+            Ok(id) => id,
+            Err(e) => return control_refused(e),
+        };
+        let ran = self.control.run(&id, command).await;
+        if !self.defects.has(Defect::McpRunLeavesSandbox)
+            && let Err(e) = self.control.kill(&id).await
+        {
+            return refused(format!(
+                "the command's sandbox `{}` could not be killed: failed to {e}",
+                self.handle(&id)
+            ));
+        }
+        match ran {
+            Ok((stdout, stderr, exit_code)) => CallToolResult::structured(json!({
+                "stdout": stdout,
+                "stderr": stderr,
+                "exit_code": exit_code,
+            })),
             Err(e) => control_refused(e),
         }
     }

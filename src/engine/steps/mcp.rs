@@ -18,6 +18,7 @@ use crate::engine::context::{Ctx, StepError};
 use crate::engine::expect::json_check;
 use crate::mcp::toolmap::provider_of;
 use crate::mcp::{Action, McpError, McpSession, McpTransport, RunSession, ServerCommand, toolmap};
+use crate::profile::e2b::{DOMAIN, Router};
 use crate::scenario::{CheckCtx, Checker, JsonCheck, Located, Pos, Scope, present};
 
 /// An action of an agent through the sandbox MCP server under test, for the MCP profile:
@@ -203,20 +204,38 @@ impl Ctx<'_> {
         };
         let args = binding.arguments(&params);
         if !self.mcp_sessions.contains_key(&m.session) {
+            let map = &server.map;
+            // A server that knows a deployment only by E2B's host names reaches the target's
+            // envd domain when it has one, else the router's domain through the router.
+            let mut router = None;
             let started = match &server.transport {
                 McpTransport::Stdio(command) => {
+                    let mut env: Vec<(String, String)> = command
+                        .env
+                        .iter()
+                        .cloned()
+                        .chain(map.environment(&self.target.base_url, &self.target.tokens.owner))
+                        .collect();
+                    if map.env.domain.is_some() {
+                        match self.target.envd_domain.as_deref() {
+                            Some(domain) => env.extend(map.routed(domain, None)),
+                            None => {
+                                let r = Router::start(
+                                    &self.target.base_url,
+                                    self.target.client.clone(),
+                                )
+                                .await
+                                .map_err(|e| {
+                                    StepError::Error(format!("failed to start the router: {e}"))
+                                })?;
+                                env.extend(map.routed(DOMAIN, Some((&r.proxy_url, r.ca_file()))));
+                                router = Some(r);
+                            }
+                        }
+                    }
                     let command = ServerCommand {
                         argv: command.argv.clone(),
-                        env: command
-                            .env
-                            .iter()
-                            .cloned()
-                            .chain(
-                                server
-                                    .map
-                                    .environment(&self.target.base_url, &self.target.tokens.owner),
-                            )
-                            .collect(),
+                        env,
                     };
                     self.secrets.push(self.target.tokens.owner.clone());
                     tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
@@ -245,6 +264,7 @@ impl Ctx<'_> {
                 RunSession {
                     session,
                     recorded: 0,
+                    router,
                 },
             );
         }
@@ -276,11 +296,12 @@ impl Ctx<'_> {
         };
         self.record_mcp(&m.session, &mut s, label);
         self.mcp_sessions.insert(m.session.clone(), s);
-        let reply = match result {
+        let mut reply = match result {
             Ok(Some(reply)) => reply,
             Ok(None) => return Ok(()),
             Err(e) => return Err(StepError::Fail(format!("failed to {e}"))),
         };
+        reply.value = server.map.value(&reply.value);
         let tool = &binding.tool;
         if m.refused {
             return if reply.is_error {
