@@ -56,6 +56,15 @@ pub struct RunArgs {
     /// stdio (split on whitespace; single and double quotes group), e.g. `"sandspec mcp"`.
     #[arg(long, value_name = "COMMAND")]
     pub mcp_server: Option<String>,
+    /// With `--api mcp` and --target: the URL of a sandbox MCP server already running, driven
+    /// over MCP's streamable HTTP transport (one HTTP session per scenario session, ended by
+    /// `DELETE`); --target is the E2B control plane that server uses.
+    #[arg(long, value_name = "URL", conflicts_with = "mcp_server")]
+    pub mcp_url: Option<String>,
+    /// With --mcp-url: the environment variable holding the server's bearer token (sent as
+    /// `Authorization: Bearer`).
+    #[arg(long, value_name = "NAME", requires = "mcp_url")]
+    pub mcp_token_env: Option<String>,
     /// With `--api mcp`: the server's tool map, a built-in name (`reference`,
     /// `agent-sandbox-client`) or a YAML file (`docs/profiles/mcp.md`).
     #[arg(long, value_name = "NAME|FILE", default_value = "reference")]

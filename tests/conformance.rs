@@ -6,9 +6,14 @@
 //! reference server is some MUST scenario's control. The E2B catalog (`scenarios/e2b/`) runs
 //! the same way against the reference speaking E2B, its trials named `e2b::sqlite::<ID>`,
 //! `e2b::postgres::<ID>` and `e2b::defect::<ID>::<defect>`. The MCP catalog (`scenarios/mcp/`)
-//! drives the reference MCP server `sandspec mcp` over the reference speaking E2B, on SQLite:
-//! `mcp::sqlite::<ID>`, and `mcp::defect::<ID>::<defect>` where the defect is the MCP
-//! server's (`sandspec mcp --defect`) and the control plane is clean.
+//! drives the reference MCP server `sandspec mcp` over the reference speaking E2B, on SQLite,
+//! over both of MCP's transports: on stdio, a server process per session (`mcp::sqlite::<ID>`,
+//! `mcp::defect::<ID>::<defect>`), and over streamable HTTP, one `sandspec mcp --listen` per
+//! control plane with an HTTP session per scenario session (`mcp::http::sqlite::<ID>`,
+//! `mcp::http::defect::<ID>::<defect>`). A defect is the MCP server's (`sandspec mcp
+//! --defect`) and the control plane is clean. An exclusive MCP scenario over HTTP runs on a
+//! control plane and MCP server of its own, since the server keeps the control plane it was
+//! started with.
 //!
 //! A scenario that requires a peer (a second server process on the same database) can only
 //! run on PostgreSQL, where the reference target starts two processes: its `sqlite::` trial is
@@ -32,10 +37,18 @@
 
 #[path = "support/listening.rs"]
 mod listening;
+#[expect(
+    dead_code,
+    reason = "the harness stops its MCP servers by dropping them"
+)]
+#[path = "support/mcp_http.rs"]
+mod mcp_http;
 #[path = "support/proxy.rs"]
 mod proxy;
 #[path = "support/runtime.rs"]
 mod runtime;
+#[path = "support/serve.rs"]
+mod serve;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -53,8 +66,29 @@ use sandspec::scenario::{
 use sandspec::target::{ReferenceOptions, ReferenceServer, Target};
 
 /// Started servers by store key; dropped before exit so the child processes are killed.
-static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Target>>>> =
+static SERVERS: LazyLock<Mutex<HashMap<String, Arc<Deployed>>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// A target, and the MCP server over HTTP that drives its control plane, when there is one:
+/// it lives as long as the target.
+struct Deployed {
+    target: Target,
+    _mcp: Option<mcp_http::McpHttp>,
+}
+
+/// What a trial speaks: a profile, and for the MCP profile how the server under test is
+/// reached (`http`: streamable HTTP, else stdio).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Flavor {
+    api: Api,
+    http: bool,
+}
+
+impl Flavor {
+    fn of(api: Api) -> Flavor {
+        Flavor { api, http: false }
+    }
+}
 
 /// Which server a trial runs against.
 #[derive(Clone, Copy)]
@@ -72,25 +106,27 @@ const NO_POSTGRES: &str = "PostgreSQL is not installed";
 
 /// Starts (once) the reference server for a clean `store`; `None` when PostgreSQL is not
 /// installed.
-fn server(store: Store<'_>, api: Api) -> Option<Arc<Target>> {
+fn server(store: Store<'_>, flavor: Flavor) -> Option<Arc<Deployed>> {
     let key = match store {
         Store::Sqlite => "sqlite".to_owned(),
         Store::Postgres => "postgres".to_owned(),
         Store::Defect(d) => format!("defect:{d}"),
         Store::PostgresDefect(d) => format!("postgres-defect:{d}"),
     };
-    let key = format!("{}:{key}", api.name());
+    let key = format!("{}:{}:{key}", flavor.api.name(), flavor.http);
     let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = servers.get(&key) {
         return Some(t.clone());
     }
-    let target = Arc::new(start(store, api)?);
+    let target = Arc::new(start(store, flavor)?);
     servers.insert(key, target.clone());
     Some(target)
 }
 
-/// Starts a reference server for `store`; `None` when PostgreSQL is not installed.
-fn start(store: Store<'_>, api: Api) -> Option<Target> {
+/// Starts a reference server for `store`; `None` when PostgreSQL is not installed. For the
+/// MCP profile it is the control plane, clean, and the MCP server under test carries the
+/// defect: a command line per session on stdio, or `sandspec mcp --listen` started here.
+fn start(store: Store<'_>, flavor: Flavor) -> Option<Deployed> {
     let database_url = match store {
         Store::Postgres | Store::PostgresDefect(_) => {
             Some(pg_cluster::PgCluster::shared_or_skip()?.fresh_database_blocking())
@@ -98,67 +134,93 @@ fn start(store: Store<'_>, api: Api) -> Option<Target> {
         Store::Sqlite | Store::Defect(_) => None,
     };
     let binary = PathBuf::from(env!("CARGO_BIN_EXE_sandspec"));
-    // The MCP profile's defects are the MCP server's; its control plane stays clean.
-    let (control_defects, mcp) = match (api, store) {
-        (Api::Mcp, store) => {
-            let mut argv = vec![binary.display().to_string(), "mcp".to_owned()];
-            if let Store::Defect(d) | Store::PostgresDefect(d) = store {
-                argv.extend(["--defect".to_owned(), d.to_owned()]);
-            }
-            let command = sandspec::mcp::ServerCommand { argv, env: vec![] };
-            let map = sandspec::mcp::ToolMap::reference();
-            (
-                Some(Vec::<String>::new()),
-                Some(sandspec::mcp::McpServer { command, map }),
-            )
-        }
-        _ => (None, None),
+    let defect = match store {
+        Store::Defect(d) | Store::PostgresDefect(d) => Some(d),
+        Store::Sqlite | Store::Postgres => None,
     };
+    let mcp_profile = flavor.api == Api::Mcp;
     let options = ReferenceOptions {
-        binary,
-        defects: match store {
-            _ if control_defects.is_some() => vec![],
-            Store::Defect(d) | Store::PostgresDefect(d) => vec![d.to_owned()],
-            Store::Sqlite | Store::Postgres => vec![],
+        binary: binary.clone(),
+        defects: match defect {
+            Some(d) if !mcp_profile => vec![d.to_owned()],
+            _ => vec![],
         },
         database_url,
         extra_args: vec![],
         serve_defaults: false,
     };
-    let target = RUNTIME
-        .block_on(Target::start_reference(&options))
-        .unwrap_or_else(|e| panic!("failed to start the reference server: {e}"));
-    let mut target = target.speaking(api);
-    target.mcp = mcp;
-    Some(target)
+    RUNTIME.block_on(async {
+        let target = Target::start_reference(&options)
+            .await
+            .unwrap_or_else(|e| panic!("failed to start the reference server: {e}"))
+            .speaking(flavor.api);
+        if !mcp_profile {
+            return Some(Deployed { target, _mcp: None });
+        }
+        let map = sandspec::mcp::ToolMap::reference();
+        let binary = binary.display().to_string();
+        if flavor.http {
+            let mcp = mcp_http::McpHttp::start(
+                &binary,
+                &target.base_url,
+                &target.tokens.owner,
+                defect.as_slice(),
+                &[],
+            )
+            .await;
+            let transport = sandspec::mcp::McpTransport::Http(mcp.server());
+            let target = target
+                .driving(sandspec::mcp::McpServer { transport, map }, false)
+                .unwrap_or_else(|e| panic!("the MCP server at {}: {e}", mcp.url));
+            return Some(Deployed {
+                target,
+                _mcp: Some(mcp),
+            });
+        }
+        let mut argv = vec![binary, "mcp".to_owned()];
+        if let Some(d) = defect {
+            argv.extend(["--defect".to_owned(), d.to_owned()]);
+        }
+        let command = sandspec::mcp::ServerCommand { argv, env: vec![] };
+        let transport = sandspec::mcp::McpTransport::Stdio(command);
+        let target = target
+            .driving(sandspec::mcp::McpServer { transport, map }, false)
+            .unwrap_or_else(|e| panic!("the MCP server: {e}"));
+        Some(Deployed { target, _mcp: None })
+    })
 }
 
 /// Runs `scenario` on the shared clean server of `store`.
-fn run(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
-    let Some(target) = server(store, api) else {
+fn run(scenario: &LoadedScenario, store: Store<'_>, flavor: Flavor) -> Outcome {
+    let Some(deployed) = server(store, flavor) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
     };
+    let target = &deployed.target;
     // The engine runs an exclusive scenario on a deployment of its own, so nothing on the
-    // shared server needs to wait for it; this harness has no other way to keep it alone.
-    assert!(
-        !scenario.scenario.exclusive || target.isolates_exclusive(),
-        "the shared server cannot give exclusive scenarios a deployment of their own"
-    );
-    run_on(&target, scenario)
+    // shared server needs to wait for it; this harness has no other way to keep it alone. An
+    // MCP server over HTTP stays on its own control plane, so there the scenario gets both.
+    if scenario.scenario.exclusive && !target.isolates_exclusive() {
+        assert!(
+            flavor.http,
+            "the shared server cannot give exclusive scenarios a deployment of their own"
+        );
+        return run_alone(scenario, store, flavor);
+    }
+    run_on(target, scenario)
 }
 
 /// Runs `scenario` on a server of its own, stopped afterwards: a negative control must fail
 /// where it says, whatever other scenarios left on a server with the same defect.
-fn run_alone(scenario: &LoadedScenario, store: Store<'_>, api: Api) -> Outcome {
-    let Some(target) = start(store, api) else {
+fn run_alone(scenario: &LoadedScenario, store: Store<'_>, flavor: Flavor) -> Outcome {
+    let Some(deployed) = start(store, flavor) else {
         return Outcome::Skip {
             reason: NO_POSTGRES.into(),
         };
     };
-    let outcome = run_on(&target, scenario);
-    RUNTIME.block_on(async move { drop(target) });
+    let outcome = run_on(&deployed.target, scenario);
+    RUNTIME.block_on(async move { drop(deployed) });
     outcome
 }
 
@@ -170,8 +232,13 @@ fn run_on(target: &Target, scenario: &LoadedScenario) -> Outcome {
 }
 
 /// A trial that must pass (a skip is reported as ignored, with its reason).
-fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>, api: Api) -> Trial {
-    Trial::ignorable_test(name, move || match run(&scenario, store, api) {
+fn must_pass(
+    name: String,
+    scenario: LoadedScenario,
+    store: Store<'static>,
+    flavor: Flavor,
+) -> Trial {
+    Trial::ignorable_test(name, move || match run(&scenario, store, flavor) {
         Outcome::Pass => Ok(Completion::Completed),
         Outcome::Skip { reason } => Ok(Completion::ignored_with(reason)),
         other => Err(Failed::from(other.to_string())),
@@ -181,9 +248,14 @@ fn must_pass(name: String, scenario: LoadedScenario, store: Store<'static>, api:
 /// A negative control: the scenario must FAIL against a server with `defect`, at the step
 /// the scenario names for it and not earlier (on PostgreSQL when `postgres`, where a missing
 /// PostgreSQL makes the trial ignored; any other skip fails).
-fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool, api: Api) -> Trial {
+fn must_fail(
+    scenario: LoadedScenario,
+    control: DefectRef,
+    postgres: bool,
+    flavor: Flavor,
+) -> Trial {
     let defect = control.defect.value.clone();
-    let name = format!("{}defect::{}::{}", prefix(api), scenario.id(), defect);
+    let name = format!("{}defect::{}::{}", prefix(flavor), scenario.id(), defect);
     Trial::ignorable_test(name, move || {
         let expected = scenario.scenario.fails_at(&control).ok_or_else(|| {
             format!(
@@ -196,7 +268,7 @@ fn must_fail(scenario: LoadedScenario, control: DefectRef, postgres: bool, api: 
         } else {
             Store::Defect(&defect)
         };
-        match run_alone(&scenario, store, api) {
+        match run_alone(&scenario, store, flavor) {
             Outcome::Fail { step, reason } => {
                 // `SANDSPEC_SHOW_REASONS=1` shows why each control failed, to review that it
                 // failed for the reason the defect implies.
@@ -276,11 +348,13 @@ fn every_defect_is_caught(scenarios: &[LoadedScenario]) -> Vec<Trial> {
 }
 
 /// Trial names of the `/v1` profile are bare (`sqlite::<ID>`); other profiles' carry the
-/// profile's name first (`e2b::sqlite::<ID>`).
-fn prefix(api: Api) -> String {
-    match api {
-        Api::V1 => String::new(),
-        other => format!("{}::", other.name()),
+/// profile's name first (`e2b::sqlite::<ID>`), and the MCP profile's over HTTP `http` after it
+/// (`mcp::http::sqlite::<ID>`).
+fn prefix(flavor: Flavor) -> String {
+    match (flavor.api, flavor.http) {
+        (Api::V1, _) => String::new(),
+        (other, false) => format!("{}::", other.name()),
+        (other, true) => format!("{}::http::", other.name()),
     }
 }
 
@@ -451,22 +525,32 @@ fn main() {
             Err(Failed::from(message))
         }));
     }
-    for api in [Api::V1, Api::E2b, Api::Mcp] {
+    let flavors = [
+        Flavor::of(Api::V1),
+        Flavor::of(Api::E2b),
+        Flavor::of(Api::Mcp),
+        Flavor {
+            api: Api::Mcp,
+            http: true,
+        },
+    ];
+    for flavor in flavors {
+        let api = flavor.api;
         for s in scenarios.iter().filter(|s| in_catalog(s, &dir, api)) {
             trials.push(must_pass(
-                format!("{}sqlite::{}", prefix(api), s.id()),
+                format!("{}sqlite::{}", prefix(flavor), s.id()),
                 s.clone(),
                 Store::Sqlite,
-                api,
+                flavor,
             ));
             // The MCP server under test holds no state of its own in the database: its
             // scenarios run on SQLite only.
             if api != Api::Mcp {
                 trials.push(must_pass(
-                    format!("{}postgres::{}", prefix(api), s.id()),
+                    format!("{}postgres::{}", prefix(flavor), s.id()),
                     s.clone(),
                     Store::Postgres,
-                    api,
+                    flavor,
                 ));
             }
             // A peer, or a database server to stop, exists only on PostgreSQL.
@@ -478,7 +562,7 @@ fn main() {
             for control in &s.scenario.defects {
                 controls.push((
                     control_wait_s(&s.scenario, control),
-                    must_fail(s.clone(), control.clone(), needs_postgres, api),
+                    must_fail(s.clone(), control.clone(), needs_postgres, flavor),
                 ));
             }
         }
@@ -491,7 +575,7 @@ fn main() {
     let trials = first;
     let conclusion = libtest_mimic::run(&args, trials);
     // Kill the servers before exiting (statics are never dropped).
-    let servers: Vec<Arc<Target>> = SERVERS
+    let servers: Vec<Arc<Deployed>> = SERVERS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .drain()

@@ -19,6 +19,7 @@ mod fuzz;
 mod isolation;
 mod live;
 mod mcp;
+mod mcp_servers;
 mod multiprocess;
 mod report;
 mod sdk_matrix;

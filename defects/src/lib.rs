@@ -229,6 +229,16 @@ pub enum Defect {
     E2bPortProxyMissing,
     /// envd takes a signed file URL whose `signature_expiration` has passed.
     E2bSignatureExpiryIgnored,
+    /// The code interpreter runs each execution in a fresh kernel: nothing is kept between them.
+    E2bCiStateLost,
+    /// The code interpreter runs every context's code in the default context's kernel.
+    E2bCiContextsShareState,
+    /// The code interpreter reports an exception as text on stderr, not as an error.
+    E2bCiErrorAsStderr,
+    /// The code interpreter's kernels do not get the sandbox's `envVars`.
+    E2bCiEnvVarsDropped,
+    /// The code interpreter leaves an execution running when its client goes away.
+    E2bCiDisconnectNotInterrupted,
     // The reference MCP server (crate::mcp).
     /// `sandspec mcp` kills every sandbox it knows at shutdown, the borrowed ones too.
     McpKillsBorrowedAtShutdown,
@@ -241,6 +251,11 @@ pub enum Defect {
     /// `sandspec mcp` leaves running the sandbox of a create still in flight when the session
     /// ended.
     McpLateCreateLeaks,
+    /// `sandspec mcp` runs a command in another sandbox the session created, not the one the
+    /// call names.
+    McpRunsElsewhere,
+    /// `sandspec mcp` leaves running the sandbox it made for a command that named none.
+    McpRunLeavesSandbox,
     /// The host's whole filesystem is mounted read-only at `/host` inside every sandbox.
     SandboxSeesHostFiles,
     /// Sandboxes share the host's `/tmp`, writable, instead of a private one each.
@@ -353,11 +368,18 @@ impl Defect {
         Defect::E2bStreamInputDropsData,
         Defect::E2bPortProxyMissing,
         Defect::E2bSignatureExpiryIgnored,
+        Defect::E2bCiStateLost,
+        Defect::E2bCiContextsShareState,
+        Defect::E2bCiErrorAsStderr,
+        Defect::E2bCiEnvVarsDropped,
+        Defect::E2bCiDisconnectNotInterrupted,
         Defect::McpKillsBorrowedAtShutdown,
         Defect::McpKeepsCreatedAtShutdown,
         Defect::McpBareHandles,
         Defect::McpUnverifiedResources,
         Defect::McpLateCreateLeaks,
+        Defect::McpRunsElsewhere,
+        Defect::McpRunLeavesSandbox,
         Defect::SandboxSeesHostFiles,
         Defect::SandboxSharesHostTmp,
         Defect::SandboxSeesHostProcesses,
@@ -466,11 +488,18 @@ impl Defect {
             Defect::E2bStreamInputDropsData => "e2b-stream-input-drops-data",
             Defect::E2bPortProxyMissing => "e2b-port-proxy-missing",
             Defect::E2bSignatureExpiryIgnored => "e2b-signature-expiry-ignored",
+            Defect::E2bCiStateLost => "e2b-ci-state-lost",
+            Defect::E2bCiContextsShareState => "e2b-ci-contexts-share-state",
+            Defect::E2bCiErrorAsStderr => "e2b-ci-error-as-stderr",
+            Defect::E2bCiEnvVarsDropped => "e2b-ci-env-vars-dropped",
+            Defect::E2bCiDisconnectNotInterrupted => "e2b-ci-disconnect-not-interrupted",
             Defect::McpKillsBorrowedAtShutdown => "mcp-kills-borrowed-at-shutdown",
             Defect::McpKeepsCreatedAtShutdown => "mcp-keeps-created-at-shutdown",
             Defect::McpBareHandles => "mcp-bare-handles",
             Defect::McpUnverifiedResources => "mcp-unverified-resources",
             Defect::McpLateCreateLeaks => "mcp-late-create-leaks",
+            Defect::McpRunsElsewhere => "mcp-runs-elsewhere",
+            Defect::McpRunLeavesSandbox => "mcp-run-leaves-sandbox",
             Defect::SandboxSeesHostFiles => "sandbox-sees-host-files",
             Defect::SandboxSharesHostTmp => "sandbox-shares-host-tmp",
             Defect::SandboxSeesHostProcesses => "sandbox-sees-host-processes",
@@ -624,6 +653,19 @@ impl Defect {
             }
             Defect::E2bPortProxyMissing => "E2B: only envd's port is reachable",
             Defect::E2bSignatureExpiryIgnored => "E2B: expired file URLs still work",
+            Defect::E2bCiStateLost => "E2B code interpreter: nothing is kept between executions",
+            Defect::E2bCiContextsShareState => {
+                "E2B code interpreter: every context runs in the default context's kernel"
+            }
+            Defect::E2bCiErrorAsStderr => {
+                "E2B code interpreter: an exception is reported as stderr text, not as an error"
+            }
+            Defect::E2bCiEnvVarsDropped => {
+                "E2B code interpreter: kernels do not get the sandbox's envVars"
+            }
+            Defect::E2bCiDisconnectNotInterrupted => {
+                "E2B code interpreter: an execution runs on after its client went away"
+            }
             Defect::McpKillsBorrowedAtShutdown => {
                 "MCP: shutdown kills the sandboxes the session only connected to"
             }
@@ -636,6 +678,12 @@ impl Defect {
             }
             Defect::McpLateCreateLeaks => {
                 "MCP: a create still in flight when the session ends leaves its sandbox running"
+            }
+            Defect::McpRunsElsewhere => {
+                "MCP: a command runs in another sandbox than the one the call names"
+            }
+            Defect::McpRunLeavesSandbox => {
+                "MCP: a command that names no sandbox leaves the sandbox made for it running"
             }
             Defect::SandboxSeesHostFiles => "the host's files are visible inside sandboxes",
             Defect::SandboxSharesHostTmp => "sandboxes share the host's /tmp",

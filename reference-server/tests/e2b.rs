@@ -7,7 +7,7 @@ use crate::support;
 #[path = "../../tests/support/npm.rs"]
 mod npm;
 #[path = "../../tests/support/venv.rs"]
-mod venv;
+pub(crate) mod venv;
 
 use std::path::Path;
 use std::process::Command;

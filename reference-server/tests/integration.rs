@@ -10,6 +10,7 @@ mod support;
 
 mod api;
 mod architecture;
+mod code_interpreter;
 mod e2b;
 mod sessions;
 mod store;

@@ -19,6 +19,7 @@ use crate::cli::{
 use crate::engine::{Outcome, Pace, default_jobs, run_until_stopped};
 use crate::evidence::{Subject, WriteOptions};
 use crate::gate::{Baseline, Gate, GateRow};
+use crate::mcp::McpServerSpec;
 use crate::report::{RunReport, ScenarioReport, TargetInfo, Verdict, junit_xml};
 use crate::scenario::{LoadedScenario, ParseError, load_dir};
 use crate::sdk::{CellOutcome, Journeys, SdkMatrix, SdkSpec, SdkTarget};
@@ -106,7 +107,14 @@ fn target_spec(args: &RunArgs) -> Result<TargetSpec, RunError> {
         request_timeout: args.request_timeout,
         wait_budget: args.max_wait.0,
         limits: args.read_limits(),
-        mcp_server: args.mcp_server.clone(),
+        mcp_server: match (&args.mcp_server, &args.mcp_url) {
+            (Some(line), _) => Some(McpServerSpec::Command(line.clone())),
+            (None, Some(url)) => Some(McpServerSpec::Url {
+                url: url.clone(),
+                token_env: args.mcp_token_env.clone(),
+            }),
+            (None, None) => None,
+        },
         tool_map: args.tool_map.clone(),
         envd_domain: args.envd_domain.clone(),
         ..TargetSpec::new(args.api, endpoint)

@@ -15,7 +15,7 @@ use super::vars::{VarError, Vars};
 use crate::live::Leftover;
 use crate::profile::CreatedKind;
 use crate::scenario::{Method, Principal, Via};
-use crate::target::{ReadError, ReadLimits, Target, describe_reqwest, read_body};
+use crate::target::{BoundedBody, ReadError, ReadLimits, Target, describe_reqwest, read_body};
 
 /// The header that carries the run's canary secret on every request.
 pub const CANARY_HEADER: &str = "X-Sandspec-Canary";
@@ -239,10 +239,23 @@ impl<'a> Ctx<'a> {
         p: &Prepared,
         label: &str,
     ) -> Result<Observed, StepError> {
+        self.send_leaving(client, p, label, None).await
+    }
+
+    /// [`Ctx::send`]; with `leave_after`, the body is read for at most that long from when
+    /// the request was sent, and then the connection is closed (a client that goes away),
+    /// the response observed being what was read by then.
+    pub(super) async fn send_leaving(
+        &mut self,
+        client: &reqwest::Client,
+        p: &Prepared,
+        label: &str,
+        leave_after: Option<Duration>,
+    ) -> Result<Observed, StepError> {
         let what = format!("{} {}", p.method.as_str(), p.target);
         let mut attempt = 1;
         loop {
-            let obs = self.send_once(client, p, label).await?;
+            let obs = self.send_once(client, p, label, leave_after).await?;
             match self
                 .wait_out(label, &what, obs.status, &obs.headers, attempt)
                 .await
@@ -260,8 +273,9 @@ impl<'a> Ctx<'a> {
         client: &reqwest::Client,
         p: &Prepared,
         label: &str,
+        leave_after: Option<Duration>,
     ) -> Result<Observed, StepError> {
-        let sent = self.send_detached(client, p, label).await;
+        let sent = self.send_detached(client, p, label, leave_after).await;
         self.record_sent(p, sent)
     }
 
@@ -273,16 +287,17 @@ impl<'a> Ctx<'a> {
         client: &reqwest::Client,
         p: &Prepared,
         label: &str,
+        leave_after: Option<Duration>,
     ) -> Sent {
         let at_ms = self.at();
         let started = Instant::now();
         self.target.usage.sent(p_body(&p.body).len() as u64);
-        let outcome = exchange(
-            self.builder(client, p),
-            self.target.request_timeout,
-            self.target.limits,
-        )
-        .await;
+        let builder = self.builder(client, p);
+        let (timeout, limits) = (self.target.request_timeout, self.target.limits);
+        let outcome = match leave_after {
+            None => exchange(builder, timeout, limits).await,
+            Some(d) => exchange_leaving(builder, timeout, limits, d).await,
+        };
         let exchange = HttpExchange {
             step: label.to_owned(),
             at_ms,
@@ -534,6 +549,56 @@ pub(super) async fn exchange_holding(
         body,
     };
     Ok((observed, None))
+}
+
+/// [`exchange`], but the body is read only until `leave_after` has passed since the request
+/// was sent (or it ends); the response is then dropped, which closes its connection.
+async fn exchange_leaving(
+    builder: reqwest::RequestBuilder,
+    limit: Duration,
+    limits: ReadLimits,
+    leave_after: Duration,
+) -> Result<Observed, Failed> {
+    let until = tokio::time::Instant::now() + leave_after;
+    let secs = limit.as_secs_f64();
+    let wait = limit.min(leave_after);
+    let response = match tokio::time::timeout(wait, builder.send()).await {
+        Err(_) => {
+            return Err(Failed::before_head(
+                format!("headers not received within {}s", wait.as_secs_f64()),
+                false,
+            ));
+        }
+        Ok(Err(e)) => return Err(Failed::before_head(describe_reqwest(&e), e.is_connect())),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let failed = |reason: String| Failed {
+        reason,
+        connect: false,
+        head: Some((status, headers.clone())),
+    };
+    let mut body = BoundedBody::new(response, limits).map_err(|e| failed(e.to_string()))?;
+    let mut read = Vec::new();
+    loop {
+        match tokio::time::timeout_at(until, body.next_within(limit)).await {
+            Err(_) | Ok(None) => break,
+            Ok(Some(Ok(chunk))) => read.extend_from_slice(&chunk),
+            Ok(Some(Err(ReadError::Stalled { read: n, .. }))) => {
+                return Err(failed(format!(
+                    "the response body stalled: no bytes for {secs}s after {n} bytes (--request-timeout)"
+                )));
+            }
+            Ok(Some(Err(e))) => return Err(failed(e.to_string())),
+        }
+    }
+    drop(body);
+    Ok(Observed {
+        status,
+        headers,
+        body: read.into(),
+    })
 }
 
 /// A status mismatch message, with the problem code when the response has one.

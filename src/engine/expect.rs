@@ -41,6 +41,33 @@ impl Observed {
             )
         })
     }
+
+    /// The body as JSON lines: an array of one value per non-empty line, or why it is not.
+    /// A last line without its newline that is not JSON is a line cut short (a body the
+    /// client stopped reading) and is left out.
+    pub fn json_lines(&self) -> Result<Value, String> {
+        let text = String::from_utf8_lossy(&self.body);
+        let complete = text.ends_with('\n');
+        let lines: Vec<&str> = text.split('\n').collect();
+        let mut out = Vec::new();
+        for (i, line) in lines.iter().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<Value>(line) {
+                Ok(v) => out.push(v),
+                Err(_) if i + 1 == lines.len() && !complete => {}
+                Err(_) => {
+                    return Err(format!(
+                        "response body line {} is not JSON: {}",
+                        i + 1,
+                        truncate(line)
+                    ));
+                }
+            }
+        }
+        Ok(Value::Array(out))
+    }
 }
 
 /// Status the expectation allows; `default_status` applies when none is given
@@ -121,6 +148,18 @@ pub fn check_response(e: &Expect, obs: &Observed, vars: &Vars<'_>) -> Vec<String
             if let Err(msg) = json_check(check, json, vars) {
                 failures.push(msg);
             }
+        }
+    }
+    if !e.json_lines.is_empty() {
+        match obs.json_lines() {
+            Ok(lines) => {
+                for check in &e.json_lines {
+                    if let Err(msg) = json_check(check, &lines, vars) {
+                        failures.push(format!("JSON lines: {msg}"));
+                    }
+                }
+            }
+            Err(msg) => failures.push(msg),
         }
     }
     failures.extend(check_headers(&e.headers, obs, vars));

@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::api::Api;
 use super::clauses::ClauseTable;
 use crate::live::{RunSweep, Swept};
-use crate::mcp::McpServer;
+use crate::mcp::{McpServer, McpServerSpec};
 use crate::sdk::{Journeys, SdkMatrix, SdkSpec, SdkTarget};
 use crate::target::{Capabilities, Conn, Service, TargetError, Tokens};
 
@@ -61,15 +61,15 @@ pub trait Profile: Send + Sync {
         None
     }
 
-    /// The sandbox MCP server the run drives, from `--mcp-server` and `--tool-map`; a profile
-    /// that drives none refuses the flag.
+    /// The sandbox MCP server the run drives, from `--mcp-server` or `--mcp-url` and
+    /// `--tool-map`; a profile that drives none refuses the flag.
     fn mcp_server(
         &self,
-        command: Option<&str>,
+        spec: Option<&McpServerSpec>,
         _tool_map: &str,
     ) -> Result<Option<McpServer>, String> {
-        match command {
-            Some(_) => Err("--mcp-server needs --api mcp".into()),
+        match spec {
+            Some(spec) => Err(format!("{} needs --api mcp", spec.flag())),
             None => Ok(None),
         }
     }

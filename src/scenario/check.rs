@@ -131,7 +131,7 @@ impl<'a> Checker<'a> {
     }
 
     pub fn expect(&mut self, e: &Expect, scope: &Scope, ctx: &CheckCtx<'_>) {
-        for check in &e.json {
+        for check in e.json.iter().chain(&e.json_lines) {
             self.json_check(check, scope, ctx);
         }
         for h in &e.headers {

@@ -137,6 +137,10 @@ pub struct Expect {
     pub content_type: Option<String>,
     #[serde(default)]
     pub json: Vec<JsonCheck>,
+    /// Checks on the body read as JSON lines (one value per non-empty line, as an array),
+    /// such as a stream of newline-delimited JSON.
+    #[serde(default)]
+    pub json_lines: Vec<JsonCheck>,
     #[serde(default)]
     pub headers: Vec<HeaderCheck>,
     /// The exact raw body, as text.

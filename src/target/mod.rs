@@ -140,6 +140,7 @@ impl Target {
     /// and the run's overrides.
     pub async fn open(checked: CheckedSpec) -> Result<Target, TargetError> {
         let spec = checked;
+        let live = matches!(&spec.opening, Opening::Url(url) if url.live);
         let mut target = match spec.opening {
             Opening::Launch(launch) => Target::launched(spec.api, launch.await?)?,
             Opening::Url(url) => Target::connect_url(spec.api, &url, spec.limits).await?,
@@ -147,7 +148,9 @@ impl Target {
                 Target::start_reference(&options).await?.speaking(spec.api)
             }
         };
-        target.mcp = spec.mcp;
+        if let Some(mcp) = spec.mcp {
+            target = target.driving(mcp, live)?;
+        }
         target.request_timeout = spec.request_timeout;
         target.limits = spec.limits;
         target.envd_domain.clone_from(&spec.envd_domain);
@@ -190,6 +193,25 @@ impl Target {
             service: None,
             fresh_databases: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// The same target, driving the MCP server `mcp`. A server over HTTP stays on the control
+    /// plane it was started with, so this target no longer starts deployments of its own for
+    /// single scenarios (`launcher`): an exclusive scenario runs alone after the others. Its
+    /// URL is behind the live guard, as a target's is (`live` for `--live`).
+    pub fn driving(
+        mut self,
+        mcp: crate::mcp::McpServer,
+        live: bool,
+    ) -> Result<Target, TargetError> {
+        if let crate::mcp::McpTransport::Http(http) = &mcp.transport {
+            crate::live::guard(&http.url, live).map_err(|e| TargetError::Usage(e.to_string()))?;
+        }
+        if !mcp.follows_deployment() {
+            self.launcher = None;
+        }
+        self.mcp = Some(mcp);
+        Ok(self)
     }
 
     /// The profile the target is spoken to in.

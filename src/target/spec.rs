@@ -11,7 +11,7 @@ use super::capabilities::Capabilities;
 use super::error::TargetError;
 use super::read::ReadLimits;
 use super::reference::ReferenceOptions;
-use crate::mcp::McpServer;
+use crate::mcp::{McpServer, McpServerSpec};
 use crate::profile::{Api, Launched};
 
 /// A target to open.
@@ -31,9 +31,9 @@ pub struct TargetSpec {
     pub wait_budget: Option<Duration>,
     /// The caps on what the target sends (`--max-body-bytes`, `--max-event-bytes`).
     pub limits: ReadLimits,
-    /// With `--api mcp`: the command line of the sandbox MCP server under test and its tool
-    /// map (a built-in name or a file).
-    pub mcp_server: Option<String>,
+    /// With `--api mcp`: the sandbox MCP server under test (a command line, or a URL and the
+    /// variable holding its token) and its tool map (a built-in name or a file).
+    pub mcp_server: Option<McpServerSpec>,
     pub tool_map: String,
     /// E2B's envd domain (`--envd-domain`).
     pub envd_domain: Option<String>,
@@ -114,8 +114,20 @@ impl TargetSpec {
             .override_features(&self.assume, &self.drop)
             .map_err(TargetError::Usage)?;
         let mcp = profile
-            .mcp_server(self.mcp_server.as_deref(), &self.tool_map)
+            .mcp_server(self.mcp_server.as_ref(), &self.tool_map)
             .map_err(TargetError::Usage)?;
+        // A server already running was told its control plane by whoever started it: the run
+        // must check on that one, which only --target can name.
+        if mcp.as_ref().is_some_and(|m| !m.follows_deployment())
+            && !matches!(self.endpoint, Endpoint::Url(_))
+        {
+            return Err(TargetError::Usage(
+                "--mcp-url needs --target URL: the E2B control plane the MCP server at that URL \
+                 uses, with --owner-token-env naming the API key it was given (the runner \
+                 cannot point a server it did not start at a control plane of its own)"
+                    .into(),
+            ));
+        }
         let opening = match self.endpoint {
             Endpoint::Launch(command) => Opening::Launch(profile.launch(&command).ok_or_else(|| {
                 TargetError::Usage(

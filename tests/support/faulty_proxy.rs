@@ -1,7 +1,9 @@
 //! A transparent HTTP/1.1 proxy for tests, in front of a real server, with the faults a live
 //! target can have: it can drop the `metadata.*` filters from every query (a target whose
 //! lists ignore them), accept chosen requests without ever answering them, accept session
-//! deletes that never complete, and hold back one event-stream request of a burst.
+//! deletes that never complete, hold back one event-stream request of a burst, and end an
+//! event stream after its first events (a stream closed mid-answer, to be resumed). It can
+//! also add a header to every request, as a gateway in front of a server adds credentials.
 //!
 //! Also [`silent_target`]: a listener that answers `GET /v1/capabilities` and nothing else.
 
@@ -37,6 +39,13 @@ pub struct Faults {
     /// The `n`-th event-stream request (counting from 1) is held this long before it is
     /// forwarded: a request of a burst that a loaded machine sends late.
     pub late_stream: Option<(usize, std::time::Duration)>,
+    /// `(text, n)`: the answer to the first request whose body contains `text`, when it is an
+    /// event stream, ends cleanly after its first `n` events.
+    pub cut_stream: Option<(String, usize)>,
+    /// Set on every request forwarded.
+    pub add_header: Option<(hyper::header::HeaderName, hyper::header::HeaderValue)>,
+    /// Where the `Last-Event-ID` of every request that carries one is written down.
+    pub resumed: Option<Arc<Mutex<Vec<String>>>>,
 }
 
 /// What the proxy remembers between requests.
@@ -46,6 +55,8 @@ struct Seen {
     deleting: Mutex<HashSet<String>>,
     /// Event-stream requests so far.
     streams: std::sync::atomic::AtomicUsize,
+    /// Whether a stream was cut already.
+    cut: std::sync::atomic::AtomicBool,
 }
 
 /// A running proxy; it stops when dropped.
@@ -55,7 +66,7 @@ pub type Proxy = listening::Listening;
 pub async fn start(upstream: &str, faults: Faults) -> Proxy {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let client: hyper_util::client::legacy::Client<_, Incoming> =
+    let client: hyper_util::client::legacy::Client<_, Body> =
         hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
     let upstream: Arc<str> = upstream.trim_end_matches('/').into();
     let faults = Arc::new(faults);
@@ -92,7 +103,7 @@ async fn forward(
     req: Request<Incoming>,
     client: hyper_util::client::legacy::Client<
         hyper_util::client::legacy::connect::HttpConnector,
-        Incoming,
+        Body,
     >,
     upstream: Arc<str>,
     faults: Arc<Faults>,
@@ -146,7 +157,40 @@ async fn forward(
     }
     let (mut parts, body) = req.into_parts();
     parts.uri = target.parse().expect("a valid upstream URI");
+    if let Some((name, value)) = &faults.add_header {
+        parts.headers.insert(name.clone(), value.clone());
+    }
+    if let (Some(resumed), Some(id)) = (&faults.resumed, parts.headers.get("last-event-id")) {
+        resumed
+            .lock()
+            .unwrap()
+            .push(id.to_str().unwrap_or_default().to_owned());
+    }
+    // The body is read whole only where a rule looks into it.
+    let (body, cut_after) = match &faults.cut_stream {
+        Some((text, n)) if !seen.cut.load(std::sync::atomic::Ordering::SeqCst) => {
+            let bytes = match body.collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => return Ok(json_response(400, format!("\"proxy: {e}\""))),
+            };
+            let hit = String::from_utf8_lossy(&bytes).contains(text.as_str())
+                && !seen.cut.swap(true, std::sync::atomic::Ordering::SeqCst);
+            let body = Full::new(bytes).map_err(|never| match never {}).boxed();
+            (body, hit.then_some(*n))
+        }
+        _ => (body.boxed(), None),
+    };
     match client.request(Request::from_parts(parts, body)).await {
+        Ok(resp)
+            if cut_after.is_some()
+                && resp
+                    .headers()
+                    .get(hyper::header::CONTENT_TYPE)
+                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream")) =>
+        {
+            let n = cut_after.expect("checked above");
+            Ok(resp.map(|body| first_events(body, n)))
+        }
         Ok(resp) if rewrite && resp.status() == 200 => {
             let bytes = resp.into_body().collect().await.map(|b| b.to_bytes());
             let mut record: serde_json::Value = bytes
@@ -166,6 +210,47 @@ async fn forward(
             )
             .expect("a valid response")),
     }
+}
+
+/// An event stream's first `n` events (each ends with a blank line), then its clean end.
+fn first_events(mut body: Incoming, n: usize) -> Body {
+    let (tx, rx) =
+        tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, hyper::Error>>(16);
+    tokio::spawn(async move {
+        let mut events = 0;
+        let mut tail = Vec::new();
+        while events < n {
+            let Some(Ok(frame)) = body.frame().await else {
+                return;
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            let mut keep = data.len();
+            for (i, byte) in data.iter().enumerate() {
+                tail.push(*byte);
+                if tail.ends_with(b"\n\n") || tail.ends_with(b"\r\n\r\n") {
+                    tail.clear();
+                    events += 1;
+                    if events == n {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            if tx
+                .send(Ok(hyper::body::Frame::data(data.slice(..keep))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    http_body_util::StreamBody::new(stream).boxed()
 }
 
 fn json_response(status: u16, body: String) -> Response<Body> {

@@ -232,6 +232,10 @@ pub struct E2bState {
     /// The egress configuration the sandbox was created or last updated with (`None`: none).
     #[serde(default)]
     pub network: Option<Value>,
+    /// Made from the code interpreter's template (or a snapshot or fork of such a sandbox):
+    /// it serves the code interpreter on its port 49999.
+    #[serde(default)]
+    pub code_interpreter: bool,
 }
 
 pub fn e2b_state(rec: &Record) -> E2bState {
@@ -616,16 +620,22 @@ async fn create(
         .template_id
         .clone()
         .ok_or_else(|| E2bError::bad_request("templateID is required"))?;
-    let from_snapshot = if template == TEMPLATE {
-        None
+    let (from_snapshot, code_interpreter) = if template == TEMPLATE {
+        (None, false)
+    } else if template == super::interpreter::TEMPLATE {
+        (None, true)
     } else {
         match super::templates::snapshot_named(&state, &team, &template).await? {
-            Some(snapshot) => Some(snapshot),
+            Some(snapshot) => {
+                let serves = super::templates::serves_code_interpreter(&state, &snapshot).await?;
+                (Some(snapshot), serves)
+            }
             None => {
                 return Err(E2bError::new(
                     StatusCode::NOT_FOUND,
                     format!(
-                        "template \"{template}\" not found (this server has \"{TEMPLATE}\" and the team's snapshots)"
+                        "template \"{template}\" not found (this server has \"{TEMPLATE}\", \"{}\" and the team's snapshots)",
+                        super::interpreter::TEMPLATE
                     ),
                 ));
             }
@@ -654,6 +664,7 @@ async fn create(
         secure,
         allow_internet_access: req.allow_internet_access,
         network,
+        code_interpreter,
     };
     let rec = create_sandbox(&state, &team, spec).await?;
     let body = sandbox_view(&state, &rec, &headers)?;
@@ -673,6 +684,8 @@ pub struct Spec {
     pub secure: bool,
     pub allow_internet_access: Option<bool>,
     pub network: Option<Value>,
+    /// It serves the code interpreter (port 49999).
+    pub code_interpreter: bool,
 }
 
 /// Creates a running sandbox in the default provider (and, for a snapshot, the snapshot's
@@ -729,6 +742,7 @@ pub async fn create_sandbox(state: &AppState, team: &Team, spec: Spec) -> Result
         access_token: spec.secure.then(new_token),
         allow_internet_access: spec.allow_internet_access,
         network: spec.network.clone(),
+        code_interpreter: spec.code_interpreter,
     };
     let mut record = Record {
         kind: Kind::Sandbox,

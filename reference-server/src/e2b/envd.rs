@@ -355,6 +355,9 @@ async fn forward_to_port(
     );
     headers.insert("e2b-sandbox-port", HeaderValue::from(ENVD_PORT));
     let sbx = sandbox_for(state, &headers, Access::Exempt).await?;
+    if port == super::interpreter::PORT && super::control::e2b_state(&sbx.rec).code_interpreter {
+        return Ok(super::interpreter::serve(state.clone(), sbx, request).await);
+    }
     let closed = || EnvdError {
         status: StatusCode::BAD_GATEWAY,
         message: "The sandbox is running but port is not open".into(),

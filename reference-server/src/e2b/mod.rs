@@ -13,6 +13,8 @@
 //!   secure sandboxes, path mapping, and the plain HTTP endpoints.
 //! - [`templates`]: snapshots (templates upstream) and forks.
 //! - [`process`] and [`filesystem`]: the two Connect services.
+//! - [`interpreter`]: the code interpreter's service (port 49999) of sandboxes made from its
+//!   template, with a Python kernel per context.
 //!
 //! What the upstream contract is and which parts are served is in `docs/profiles/e2b.md`.
 
@@ -21,6 +23,7 @@ pub mod control;
 pub mod envd;
 pub mod filesystem;
 pub mod ids;
+pub mod interpreter;
 pub mod process;
 pub mod templates;
 

@@ -381,6 +381,10 @@ pub async fn start(
         Ok(d) => d,
         Err(e) => return connect::stream_error(e),
     };
+    // The deadline counts from the request, as the Connect protocol has it, so it passes
+    // before the process's own (which starts later, at spawn) and the stream ends with
+    // `deadline_exceeded` rather than with the killed process's `end`.
+    let ends_at = deadline.map(|d| tokio::time::Instant::now() + d);
     match start_process(&state, &sbx, &headers, &body, deadline).await {
         Err(e) => connect::stream_error(e),
         Ok((rec, pid)) => {
@@ -399,10 +403,10 @@ pub async fn start(
                 let pumped = pump(state, sender.clone(), sandbox, rec.id, 0, keepalive, pty);
                 // As envd: past the request's deadline the stream ends with
                 // `deadline_exceeded` (the process, given the same deadline, is killed).
-                match deadline {
+                match ends_at {
                     None => pumped.await,
-                    Some(limit) => {
-                        if tokio::time::timeout(limit, pumped).await.is_err() {
+                    Some(at) => {
+                        if tokio::time::timeout_at(at, pumped).await.is_err() {
                             sender
                                 .finish(Some(ConnectError::new(
                                     Code::DeadlineExceeded,

@@ -79,6 +79,16 @@ pub async fn snapshot_named(
     Ok(found.into_iter().next().map(|r| r.id))
 }
 
+/// Whether sandboxes made from the snapshot (a qualified ID) serve the code interpreter: it
+/// was taken of a sandbox that did. Its kernels are not in it (files only).
+pub async fn serves_code_interpreter(state: &AppState, snapshot: &str) -> Result<bool, E2bError> {
+    Ok(state
+        .store
+        .get(Kind::Snapshot, Scope::System, snapshot)
+        .await?
+        .is_some_and(|r| r.body.get("e2b_code_interpreter") == Some(&Value::Bool(true))))
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
@@ -114,6 +124,9 @@ async fn take_snapshot(
     let mut body = serde_json::to_value(&snapshot).map_err(ApiError::internal)?;
     if let Some(name) = name {
         body["e2b_name"] = Value::String(name);
+    }
+    if e2b_state(sandbox).code_interpreter {
+        body["e2b_code_interpreter"] = Value::Bool(true);
     }
     let rec = Record {
         kind: Kind::Snapshot,
@@ -333,6 +346,7 @@ pub async fn fork(
             secure: e2b_state(&source).secure,
             allow_internet_access: e2b_state(&source).allow_internet_access,
             network: e2b_state(&source).network,
+            code_interpreter: e2b_state(&source).code_interpreter,
         };
         results.push(match create_sandbox(&state, &team, spec).await {
             Ok(rec) => json!({ "sandbox": sandbox_view(&state, &rec, &headers)? }),

@@ -95,9 +95,10 @@ impl ControlPlane {
         })
     }
 
-    /// `POST /sandboxes` from the `base` template; the new sandbox's ID.
+    /// `POST /sandboxes` from the `base` template, secured as the SDKs create them (envd
+    /// takes the sandbox's access token); the new sandbox's ID.
     pub async fn create(&self, timeout_s: u64) -> Result<String, ControlError> {
-        let body = json!({ "templateID": "base", "timeout": timeout_s });
+        let body = json!({ "templateID": "base", "timeout": timeout_s, "secure": true });
         let v = self
             .call(
                 "create a sandbox",
@@ -153,5 +154,80 @@ impl ControlPlane {
             Ok(_) | Err(ControlError::Status { status: 404, .. }) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    /// Runs `command` with `bash -c` in the sandbox `id` and waits for its end: envd's
+    /// `process.Process/Start` (a Connect server stream, JSON codec) reached on the control
+    /// plane's URL with the routing headers, with the access token the sandbox's detail
+    /// gives. Returns `(stdout, stderr, exit code)`.
+    pub async fn run(
+        &self,
+        id: &str,
+        command: &str,
+    ) -> Result<(String, String, i64), ControlError> {
+        const WHAT: &str = "run a command";
+        let detail = self.get(id).await?;
+        let request = json!({"process": {"cmd": "/bin/bash", "args": ["-c", command]}});
+        let message = serde_json::to_vec(&request).unwrap_or_default();
+        let mut req = self
+            .http
+            .post(format!("{}/process.Process/Start", self.base))
+            .header("E2b-Sandbox-Id", id)
+            .header("E2b-Sandbox-Port", "49983")
+            .header("Content-Type", "application/connect+json")
+            .header("Connect-Protocol-Version", "1")
+            .body(crate::e2b::connect::envelope(0, &message));
+        if let Some(token) = detail.get("envdAccessToken").and_then(Value::as_str) {
+            req = req.header("X-Access-Token", token);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| ControlError::Transport(e.without_url().to_string()))?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| ControlError::Transport(e.without_url().to_string()))?;
+        let failed = |message: String| ControlError::Status {
+            what: WHAT,
+            status,
+            message,
+        };
+        if status != 200 {
+            return Err(failed(String::from_utf8_lossy(&body).into_owned()));
+        }
+        let (mut stdout, mut stderr, mut exit) = (Vec::new(), Vec::new(), None);
+        let mut rest: &[u8] = &body;
+        while !rest.is_empty() {
+            let (flags, message, tail) = crate::e2b::connect::split_envelope(rest)
+                .map_err(|e| failed(format!("a malformed stream: {}", e.message)))?;
+            rest = tail;
+            let v: Value = serde_json::from_slice(message).unwrap_or(Value::Null);
+            if flags & 0x02 != 0 {
+                if let Some(error) = v.get("error") {
+                    return Err(failed(format!("the stream ended with {error}")));
+                }
+                continue;
+            }
+            let event = &v["event"];
+            let bytes = |k: &str| {
+                event["data"][k]
+                    .as_str()
+                    .and_then(|t| crate::e2b::connect::decode_bytes(t).ok())
+            };
+            stdout.extend(bytes("stdout").unwrap_or_default());
+            stderr.extend(bytes("stderr").unwrap_or_default());
+            if let Some(code) = event["end"].get("exitCode") {
+                exit = Some(code.as_i64().unwrap_or(-1));
+            }
+        }
+        let exit =
+            exit.ok_or_else(|| failed("the stream ended without the process's end".into()))?;
+        Ok((
+            String::from_utf8_lossy(&stdout).into_owned(),
+            String::from_utf8_lossy(&stderr).into_owned(),
+            exit,
+        ))
     }
 }

@@ -1,5 +1,6 @@
-//! `sandspec mcp`: the reference sandbox MCP server, over stdio, in front of an E2B-style
-//! control plane (the reference server's E2B surface, or any other).
+//! `sandspec mcp`: the reference sandbox MCP server, over stdio or MCP's streamable HTTP
+//! transport (`--listen`), in front of an E2B-style control plane (the reference server's E2B
+//! surface, or any other).
 //!
 //! It is the reference implementation of what the runner's MCP profile checks:
 //!
@@ -11,9 +12,13 @@
 //!   killed.
 //!
 //! The control plane is named by `E2B_API_URL` and its key by `E2B_API_KEY`, as for E2B's own
-//! SDK. The session ends when stdin closes or on SIGTERM; cleanup runs before the process exits.
+//! SDK. On stdio the one session ends when stdin closes or on SIGTERM; cleanup runs before the
+//! process exits. Over HTTP each session ends with its `DELETE` or when it expires (`http`),
+//! and every open one at SIGTERM or SIGINT.
 
 mod control;
+mod http;
+mod replay;
 mod tools;
 
 use std::process::ExitCode;
@@ -24,6 +29,7 @@ use rmcp::ServiceExt as _;
 use crate::defects::Defects;
 
 pub use control::ControlPlane;
+pub use http::{HttpOptions, PATH};
 pub use tools::{PROVIDER, SandboxTools};
 
 /// Arguments of `sandspec mcp`.
@@ -32,6 +38,19 @@ pub struct McpArgs {
     /// Switch on a deliberate bug (repeatable; only in builds with the `defects` feature).
     #[arg(long = "defect", value_name = "NAME")]
     pub defects: Vec<String>,
+    /// Serve MCP's streamable HTTP transport at `http://ADDR/mcp` instead of stdio (port 0
+    /// for any free port); prints `listening on http://ADDR/mcp` once bound.
+    #[arg(long, value_name = "ADDR", requires = "token_env")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// With --listen: the environment variable holding the bearer token every request must
+    /// carry (`Authorization: Bearer ...`; without it, or with another, 401).
+    #[arg(long, value_name = "NAME", requires = "listen")]
+    pub token_env: Option<String>,
+    /// With --listen: a session idle this long expires, and what it owned is disposed of as
+    /// at its `DELETE` (`300`, in seconds).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, requires = "listen",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub session_idle_s: u64,
 }
 
 /// Environment variable naming the control plane's base URL.
@@ -65,17 +84,65 @@ pub fn run_blocking(args: McpArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let http = match (&args.listen, &args.token_env) {
+        (Some(addr), Some(name)) => match std::env::var(name) {
+            Ok(token) if !token.is_empty() => Some((
+                *addr,
+                HttpOptions {
+                    token,
+                    idle: std::time::Duration::from_secs(args.session_idle_s),
+                },
+            )),
+            _ => {
+                eprintln!("error: --token-env names {name}, which is not set or empty");
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match runtime.block_on(serve_stdio(control, defects)) {
+    let served = match http {
+        Some((addr, options)) => runtime.block_on(serve_http(addr, control, defects, options)),
+        None => runtime.block_on(serve_stdio(control, defects)),
+    };
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(1)
         }
     }
+}
+
+/// Binds `addr`, says where it serves (one line on stdout), and serves MCP over streamable
+/// HTTP until SIGTERM or SIGINT, when every open session ends as its `DELETE` would.
+pub async fn serve_http(
+    addr: std::net::SocketAddr,
+    control: ControlPlane,
+    defects: Defects,
+    options: HttpOptions,
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("bind {addr}: {e}"))?;
+    let local = listener.local_addr()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "listening on http://{local}{PATH}")?;
+    out.flush()?;
+    drop(out);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let stop = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    http::serve(listener, control, defects, options, stop).await?;
+    Ok(())
 }
 
 /// Serves one MCP session on stdin/stdout, then disposes of what the session owns.

@@ -1,6 +1,7 @@
 //! The tools of `sandspec mcp` and what the session owns: which sandboxes it created (and
 //! must kill at shutdown), which it only connected to (and must leave alone), and how many
-//! creates are still in flight.
+//! creates are still in flight. A client that sets a logging level is told, in log messages at
+//! or above it, what each tool call did.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,6 +11,12 @@ use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject,
     ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
 };
+#[expect(
+    deprecated,
+    reason = "logging is deprecated from protocol 2026-07-28 on; the versions this server \
+              speaks (2025-06-18, 2025-11-25) have it"
+)]
+use rmcp::model::{LoggingLevel, LoggingMessageNotificationParam, SetLevelRequestParams};
 use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -32,6 +39,25 @@ pub struct SandboxTools {
     state: Arc<Mutex<Owned>>,
     /// Number of creates in flight; shutdown waits for it to reach zero.
     in_flight: Arc<watch::Sender<usize>>,
+    /// The least severity the client asked to be told of (`logging/setLevel`), as
+    /// [`severity`] ranks it; none is sent before it asks.
+    log_level: Arc<Mutex<Option<u8>>>,
+}
+
+/// The rank of a logging level, from `debug` (0) to `emergency` (7), as the protocol orders
+/// them.
+#[expect(deprecated, reason = "see the `use` of LoggingLevel")]
+fn severity(level: LoggingLevel) -> u8 {
+    match level {
+        LoggingLevel::Debug => 0,
+        LoggingLevel::Info => 1,
+        LoggingLevel::Notice => 2,
+        LoggingLevel::Warning => 3,
+        LoggingLevel::Error => 4,
+        LoggingLevel::Critical => 5,
+        LoggingLevel::Alert => 6,
+        LoggingLevel::Emergency => 7,
+    }
 }
 
 #[derive(Default)]
@@ -64,7 +90,34 @@ impl SandboxTools {
             defects,
             state: Arc::default(),
             in_flight: Arc::new(watch::channel(0).0),
+            log_level: Arc::default(),
         }
+    }
+
+    /// The log message that tells what a tool call did, when the client asked for messages of
+    /// its severity: a refusal is a warning, anything else information.
+    #[expect(deprecated, reason = "see the `use` of LoggingLevel")]
+    fn log_of(
+        &self,
+        tool: &str,
+        result: &CallToolResult,
+    ) -> Option<LoggingMessageNotificationParam> {
+        let level = if result.is_error == Some(true) {
+            LoggingLevel::Warning
+        } else {
+            LoggingLevel::Info
+        };
+        let least = (*self.log_level.lock().unwrap_or_else(|p| p.into_inner()))?;
+        if severity(level) < least {
+            return None;
+        }
+        let data = json!({
+            "tool": tool,
+            "result": result.structured_content.clone().unwrap_or(Value::Null),
+        });
+        let mut param = LoggingMessageNotificationParam::new(level, data);
+        param.logger = Some("sandspec-mcp".to_owned());
+        Some(param)
     }
 
     fn handle(&self, id: &str) -> String {
@@ -119,20 +172,31 @@ impl SandboxTools {
                 schema(handle.clone()),
             ),
             Tool::new("kill_sandbox", "Kill a sandbox by handle.", schema(handle)),
+            Tool::new(
+                "run_command",
+                "Run a shell command in the sandbox the handle names and wait for its end. \
+                 Without a handle the command runs in a sandbox made for it, killed before \
+                 the call answers.",
+                schema(json!({"type": "object", "properties": {
+                    "handle": {"type": "string"},
+                    "command": {"type": "string"}},
+                    "required": ["command"], "additionalProperties": false})),
+            ),
         ]
     }
 
-    async fn call(&self, name: &str, args: JsonObject) -> CallToolResult {
+    /// A tool call's result, or the protocol error of a tool this server does not have.
+    async fn call(&self, name: &str, args: JsonObject) -> Result<CallToolResult, ErrorData> {
         let int = |k: &str| args.get(k).and_then(Value::as_u64);
         let str_arg = |k: &str| args.get(k).and_then(Value::as_str);
-        match name {
+        Ok(match name {
             "create_sandbox" => {
                 for (k, v) in &args {
                     if !matches!(k.as_str(), "timeout_s" | "cpu" | "memory_mb") {
-                        return refused(format!("unknown argument `{k}`"));
+                        return Ok(refused(format!("unknown argument `{k}`")));
                     }
                     if v.as_u64().is_none_or(|n| n == 0) {
-                        return refused(format!("`{k}` must be a positive integer"));
+                        return Ok(refused(format!("`{k}` must be a positive integer")));
                     }
                 }
                 self.create(
@@ -144,11 +208,11 @@ impl SandboxTools {
             }
             "connect_sandbox" | "kill_sandbox" => {
                 let Some(arg) = str_arg("handle") else {
-                    return refused("`handle` (a string) is required");
+                    return Ok(refused("`handle` (a string) is required"));
                 };
                 let id = match Self::sandbox_id(arg) {
                     Ok(id) => id.to_owned(),
-                    Err(e) => return refused(e),
+                    Err(e) => return Ok(refused(e)),
                 };
                 if name == "connect_sandbox" {
                     self.connect(&id).await
@@ -156,8 +220,31 @@ impl SandboxTools {
                     self.kill(&id).await
                 }
             }
-            other => refused(format!("unknown tool `{other}`")),
-        }
+            "run_command" => {
+                for k in args.keys() {
+                    if !matches!(k.as_str(), "handle" | "command") {
+                        return Ok(refused(format!("unknown argument `{k}`")));
+                    }
+                }
+                let Some(command) = str_arg("command") else {
+                    return Ok(refused("`command` (a string) is required"));
+                };
+                match args.get("handle") {
+                    None => self.run_alone(command).await,
+                    Some(Value::String(arg)) => match Self::sandbox_id(arg) {
+                        Ok(id) => self.run(id, command).await,
+                        Err(e) => refused(e),
+                    },
+                    Some(_) => refused("`handle` must be a string"),
+                }
+            }
+            other => {
+                return Err(ErrorData::invalid_params(
+                    format!("unknown tool `{other}`"),
+                    None,
+                ));
+            }
+        })
     }
 
     /// Runs the create in a task of its own, so that it completes and is disposed of even when
@@ -270,6 +357,51 @@ impl SandboxTools {
         }
     }
 
+    /// Runs `command` in the sandbox `id`.
+    async fn run(&self, id: &str, command: &str) -> CallToolResult {
+        let mut target = id.to_owned();
+        if self.defects.has(Defect::McpRunsElsewhere)
+            && let Some(other) = lock(&self.state).created.iter().find(|c| *c != id)
+        {
+            target = other.clone();
+        }
+        match self.control.run(&target, command).await {
+            Ok((stdout, stderr, exit_code)) => CallToolResult::structured(json!({
+                "handle": self.handle(id),
+                "stdout": stdout,
+                "stderr": stderr,
+                "exit_code": exit_code,
+            })),
+            Err(e) => control_refused(e),
+        }
+    }
+
+    /// Runs `command` in a sandbox made for it, which is killed before the call answers: a
+    /// command that names no sandbox leaves none behind.
+    async fn run_alone(&self, command: &str) -> CallToolResult {
+        let id = match self.control.create(300).await {
+            Ok(id) => id,
+            Err(e) => return control_refused(e),
+        };
+        let ran = self.control.run(&id, command).await;
+        if !self.defects.has(Defect::McpRunLeavesSandbox)
+            && let Err(e) = self.control.kill(&id).await
+        {
+            return refused(format!(
+                "the command's sandbox `{}` could not be killed: failed to {e}",
+                self.handle(&id)
+            ));
+        }
+        match ran {
+            Ok((stdout, stderr, exit_code)) => CallToolResult::structured(json!({
+                "stdout": stdout,
+                "stderr": stderr,
+                "exit_code": exit_code,
+            })),
+            Err(e) => control_refused(e),
+        }
+    }
+
     /// Marks the session as ended, as soon as its end is seen (stdin at EOF): from here on a
     /// create that completes disposes of its own sandbox, even while the SDK is still
     /// finishing the requests it was serving.
@@ -303,10 +435,28 @@ impl SandboxTools {
 }
 
 impl rmcp::ServerHandler for SandboxTools {
+    #[expect(deprecated, reason = "see the `use` of LoggingLevel")]
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
-            Implementation::new("sandspec-mcp", env!("CARGO_PKG_VERSION")),
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_logging()
+                .build(),
         )
+        .with_server_info(Implementation::new(
+            "sandspec-mcp",
+            env!("CARGO_PKG_VERSION"),
+        ))
+    }
+
+    #[expect(deprecated, reason = "see the `use` of LoggingLevel")]
+    async fn set_level(
+        &self,
+        request: SetLevelRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        *self.log_level.lock().unwrap_or_else(|p| p.into_inner()) = Some(severity(request.level));
+        Ok(())
     }
 
     async fn list_tools(
@@ -317,15 +467,21 @@ impl rmcp::ServerHandler for SandboxTools {
         Ok(ListToolsResult::with_all_items(Self::tools()))
     }
 
+    /// A tool this server does not have is a protocol error (`-32602`), as the protocol says
+    /// of unknown tools; what a tool refuses is its own `isError` result.
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let args = request.arguments.unwrap_or_default();
-        Ok(CallToolResponse::Complete(
-            self.call(&request.name, args).await,
-        ))
+        let result = self.call(&request.name, args).await?;
+        if let Some(log) = self.log_of(&request.name, &result) {
+            // A client gone meanwhile misses the message, not the result.
+            #[expect(deprecated, reason = "see the `use` of LoggingLevel")]
+            let _ = context.peer.notify_logging_message(log).await;
+        }
+        Ok(CallToolResponse::Complete(result))
     }
 }
 

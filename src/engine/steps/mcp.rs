@@ -1,9 +1,10 @@
 //! `mcp`: an agent's action through the sandbox MCP server under test (MCP profile). Each
-//! named session is a server process of its own, started at its first action with the tool
-//! map's environment (the target's base URL and the owner's key); an action is the one tool
-//! call the map binds to it, judged by whether the tool accepted or refused it and by the
-//! handle the result names; `shutdown` ends the session as a client does. Every exchange goes
-//! into the transcript as a note, in order.
+//! named session is, on stdio, a server process of its own, started at its first action with
+//! the tool map's environment (the target's base URL and the owner's key), and over HTTP an
+//! HTTP session of its own with the server at the run's URL; an action is the one tool call
+//! the map binds to it, judged by whether the tool accepted or refused it and by the handle the
+//! result names; `shutdown` ends the session as a client does (stdin closed, or the session's
+//! `DELETE`). Every exchange goes into the transcript as a note, in order.
 
 use std::time::Duration;
 
@@ -16,7 +17,8 @@ use super::kind::StepKind;
 use crate::engine::context::{Ctx, StepError};
 use crate::engine::expect::json_check;
 use crate::mcp::toolmap::provider_of;
-use crate::mcp::{Action, McpSession, RunSession, ServerCommand, toolmap};
+use crate::mcp::{Action, McpError, McpSession, McpTransport, RunSession, ServerCommand, toolmap};
+use crate::profile::e2b::{DOMAIN, Router};
 use crate::scenario::{CheckCtx, Checker, JsonCheck, Located, Pos, Scope, present};
 
 /// An action of an agent through the sandbox MCP server under test, for the MCP profile:
@@ -59,7 +61,8 @@ fn main_session() -> String {
     "main".to_owned()
 }
 
-/// How long a server has to exit after stdin closes, and again after SIGTERM.
+/// How long a server has to exit after stdin closes, and again after SIGTERM; over HTTP, half
+/// of how long it has to answer the session's `DELETE`.
 pub(in crate::engine) const GRACE: Duration = Duration::from_secs(15);
 /// How long one tool call may take: a server under test may start slowly (an interpreter
 /// importing its SDK) and a create waits for the control plane.
@@ -178,9 +181,12 @@ impl Ctx<'_> {
             };
             let ended = s.session.shutdown(GRACE).await;
             self.record_mcp(&m.session, &mut s, label);
-            return ended
-                .map(|_| ())
-                .map_err(|e| StepError::Fail(format!("failed to {e}")));
+            return match ended {
+                Ok(_) => Ok(()),
+                // A session that cannot be ended leaves the scenario unjudged, not failed.
+                Err(e @ McpError::NoEnd(_)) => Err(StepError::Error(format!("failed to {e}"))),
+                Err(e) => Err(StepError::Fail(format!("failed to {e}"))),
+            };
         }
         let Some(binding) = server.map.binding(m.action) else {
             return Err(StepError::Error(format!(
@@ -198,36 +204,67 @@ impl Ctx<'_> {
         };
         let args = binding.arguments(&params);
         if !self.mcp_sessions.contains_key(&m.session) {
-            let command = ServerCommand {
-                argv: server.command.argv.clone(),
-                env: server
-                    .command
-                    .env
-                    .iter()
-                    .cloned()
-                    .chain(
-                        server
-                            .map
-                            .environment(&self.target.base_url, &self.target.tokens.owner),
-                    )
-                    .collect(),
+            let map = &server.map;
+            // A server that knows a deployment only by E2B's host names reaches the target's
+            // envd domain when it has one, else the router's domain through the router.
+            let mut router = None;
+            let started = match &server.transport {
+                McpTransport::Stdio(command) => {
+                    let mut env: Vec<(String, String)> = command
+                        .env
+                        .iter()
+                        .cloned()
+                        .chain(map.environment(&self.target.base_url, &self.target.tokens.owner))
+                        .collect();
+                    if map.env.domain.is_some() {
+                        match self.target.envd_domain.as_deref() {
+                            Some(domain) => env.extend(map.routed(domain, None)),
+                            None => {
+                                let r = Router::start(
+                                    &self.target.base_url,
+                                    self.target.client.clone(),
+                                )
+                                .await
+                                .map_err(|e| {
+                                    StepError::Error(format!("failed to start the router: {e}"))
+                                })?;
+                                env.extend(map.routed(DOMAIN, Some((&r.proxy_url, r.ca_file()))));
+                                router = Some(r);
+                            }
+                        }
+                    }
+                    let command = ServerCommand {
+                        argv: command.argv.clone(),
+                        env,
+                    };
+                    self.secrets.push(self.target.tokens.owner.clone());
+                    tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
+                        .await
+                }
+                McpTransport::Http(http) => {
+                    self.secrets.extend(http.token.iter().cloned());
+                    let client = self
+                        .target
+                        .fresh_client()
+                        .map_err(|e| StepError::Error(e.to_string()))?;
+                    let limits = self.target.limits;
+                    tokio::time::timeout(CALL_WAIT, McpSession::connect(http, client, limits)).await
+                }
             };
-            self.secrets.push(self.target.tokens.owner.clone());
-            let session =
-                tokio::time::timeout(CALL_WAIT, McpSession::start(&command, self.target.limits))
-                    .await
-                    .map_err(|_| {
-                        StepError::Fail(format!(
-                            "the MCP server did not finish `initialize` within {}s",
-                            CALL_WAIT.as_secs()
-                        ))
-                    })?
-                    .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
+            let session = started
+                .map_err(|_| {
+                    StepError::Fail(format!(
+                        "the MCP server did not finish `initialize` within {}s",
+                        CALL_WAIT.as_secs()
+                    ))
+                })?
+                .map_err(|e| StepError::Fail(format!("failed to {e}")))?;
             self.mcp_sessions.insert(
                 m.session.clone(),
                 RunSession {
                     session,
                     recorded: 0,
+                    router,
                 },
             );
         }
@@ -259,11 +296,12 @@ impl Ctx<'_> {
         };
         self.record_mcp(&m.session, &mut s, label);
         self.mcp_sessions.insert(m.session.clone(), s);
-        let reply = match result {
+        let mut reply = match result {
             Ok(Some(reply)) => reply,
             Ok(None) => return Ok(()),
             Err(e) => return Err(StepError::Fail(format!("failed to {e}"))),
         };
+        reply.value = server.map.value(&reply.value);
         let tool = &binding.tool;
         if m.refused {
             return if reply.is_error {

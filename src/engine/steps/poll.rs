@@ -82,7 +82,10 @@ impl Ctx<'_> {
             attempts += 1;
             let prepared = self.prepare(&p.request)?;
             let recorded = self.transcript.len();
-            let obs = self.send(&client, &prepared, label).await?;
+            let leave_after = p.request.leave_after_ms.map(Duration::from_millis);
+            let obs = self
+                .send_leaving(&client, &prepared, label, leave_after)
+                .await?;
             match self.judge(&p.request, &obs) {
                 Ok(()) => return Ok(()),
                 Err(StepError::Fail(msg)) => {

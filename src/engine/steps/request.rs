@@ -1,6 +1,7 @@
 //! `request`: one HTTP request, judged by its `expect` block, with captures.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use regex::Regex;
 use serde::Deserialize;
@@ -36,9 +37,15 @@ pub struct Request {
     #[serde(default)]
     pub envd: Option<Template>,
     /// With `envd`: another port of that sandbox, reached as the SDK's `get_host` names it
-    /// (the routing headers with that port, or `<port>-<sandbox>.<domain>`).
+    /// (the routing headers with that port, or `<port>-<sandbox>.<domain>`); the code
+    /// interpreter's service is on 49999.
     #[serde(default)]
     pub port: Option<Located<u16>>,
+    /// Read the response for at most this many milliseconds from when the request is sent,
+    /// then close the connection, as a client that goes away does; the expectations judge
+    /// what was read by then (a body that ends sooner is read whole).
+    #[serde(default)]
+    pub leave_after_ms: Option<u64>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -136,6 +143,12 @@ impl Request {
             c.err(
                 Pos::of(port),
                 "`port` is a port of the sandbox `envd` names: give `envd` too",
+            );
+        }
+        if r.leave_after_ms == Some(0) || (in_parallel && r.leave_after_ms.is_some()) {
+            c.err(
+                r.path.pos,
+                "`leave_after_ms` is a positive number of milliseconds, outside `parallel`",
             );
         }
         for t in r.headers.values().chain(r.query.values()) {
@@ -272,6 +285,7 @@ fn has_expectations(e: &Expect) -> bool {
         || e.code.is_some()
         || e.content_type.is_some()
         || !e.json.is_empty()
+        || !e.json_lines.is_empty()
         || !e.headers.is_empty()
         || e.body_text.is_some()
         || e.body_base64.is_some()
@@ -292,6 +306,12 @@ impl StepKind for Request {
 
     fn check(&self, c: &mut Checker<'_>, scope: &mut Scope, ctx: &CheckCtx<'_>) {
         self.check_as(c, scope, ctx, false);
+    }
+
+    fn waits(&self, _ctx: &Ctx<'_>) -> Duration {
+        self.leave_after_ms
+            .map(Duration::from_millis)
+            .unwrap_or_default()
     }
 
     fn expects_success(&self) -> bool {
@@ -451,7 +471,8 @@ impl Ctx<'_> {
     async fn request(&mut self, r: &Request, label: &str) -> Result<(), StepError> {
         let p = self.prepare(r)?;
         let client = self.target.client.clone();
-        let obs = self.send(&client, &p, label).await?;
+        let leave_after = r.leave_after_ms.map(Duration::from_millis);
+        let obs = self.send_leaving(&client, &p, label, leave_after).await?;
         self.judge(r, &obs)
     }
 }

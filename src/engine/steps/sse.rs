@@ -517,7 +517,7 @@ impl Ctx<'_> {
                 return None;
             }
             if let Some((p, request_label)) = &action {
-                let sent = self.send_detached(&client, p, request_label).await;
+                let sent = self.send_detached(&client, p, request_label, None).await;
                 return Some(Acted::Sent(Box::new(sent)));
             }
             let at = self.at();
