@@ -721,7 +721,7 @@ fn sandspec_run_drives_the_mcp_catalog_over_http() {
             .iter()
             .map(|s| s["id"].as_str().expect("an ID"))
             .collect();
-        assert_eq!(ran.len(), 5, "{ran:?}");
+        assert_eq!(ran.len(), 7, "{ran:?}");
         let mut deletes = 0;
         for entry in std::fs::read_dir(evidence.join("transcripts")).expect("transcripts") {
             let text = std::fs::read_to_string(entry.expect("a transcript").path()).unwrap();
@@ -734,7 +734,7 @@ fn sandspec_run_drives_the_mcp_catalog_over_http() {
                 .count();
         }
         assert!(
-            deletes >= 5,
+            deletes >= 7,
             "every scenario's session ended by DELETE: {deletes}"
         );
         assert!(
