@@ -97,6 +97,11 @@ fn the_package_runs_the_profile_as_pinned() {
     let run = Command::new(env!("CARGO_BIN_EXE_sandspec"))
         .args(["run", "--api", "agent-sandbox", "--out"])
         .arg(&evidence)
+        // One scenario at a time: the package can deadlock when a turn is submitted while
+        // another thread saves its state (finding 15 of its findings document), which
+        // scenarios running side by side on a loaded machine provoke at random. The pinned
+        // outcome is about every other finding, so the run keeps clear of that one.
+        .args(["--jobs", "1"])
         .arg("--expected-failures")
         .arg(&baseline)
         .arg("--launch")
