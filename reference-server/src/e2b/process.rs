@@ -36,7 +36,8 @@ const FIRST_PID: u32 = 1000;
 /// a sandbox killed under it).
 const POLL: Duration = Duration::from_millis(500);
 
-/// Serializes pid assignment: the next pid is one more than the largest in the sandbox.
+/// Serializes pid assignment (the next pid is one more than the largest in the sandbox) and
+/// holds a start's record back from `List` until its process is spawned.
 static PID_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[derive(Debug, Default, Deserialize)]
@@ -625,8 +626,14 @@ pub async fn list(
 ) -> Response {
     let result = async {
         let _: ListRequest = connect::unary_request(&headers, &body)?;
+        // A start holds the lock from its record's insert until its process is spawned, so
+        // read under it: a pid listed here can be given input and signals at once.
+        let records = {
+            let _serial = PID_LOCK.lock().await;
+            processes_of(&state, &sbx).await?
+        };
         let mut processes = Vec::new();
-        for rec in processes_of(&state, &sbx).await? {
+        for rec in records {
             if rec.state != ProcessState::Running.as_str() {
                 continue;
             }
