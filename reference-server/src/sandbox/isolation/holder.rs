@@ -460,6 +460,18 @@ fn unescape_mountinfo(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// An empty file to bind a file over, made without opening it: where the path is already a
+/// file (a host directory the sandbox shares holds the very file), it is left as it is, not
+/// truncated, and one that some process is running cannot make this fail with ETXTBSY.
+fn mount_point_file(path: &Path) -> io::Result<()> {
+    let c = sys::cpath(path)?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    match sys::check(unsafe { libc::mknod(c.as_ptr(), libc::S_IFREG | 0o644, 0) }) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        other => other.map(drop),
+    }
+}
+
 fn mkdir(path: &Path, mode: u32) -> Result<(), Failure> {
     std::fs::DirBuilder::new()
         .mode(mode)
@@ -594,7 +606,7 @@ fn build_root(plan: &Plan) -> Result<(), Failure> {
                 .create(parent)
                 .map_err(|e| Failure(format!("make {}: {e}", parent.display())))?;
         }
-        std::fs::File::create(&target)
+        mount_point_file(&target)
             .map_err(|e| Failure(format!("make {}: {e}", target.display())))?;
         bind_read_only(&host(old, path), &target, false)?;
     }
