@@ -41,7 +41,7 @@ pub fn router(state: AppState) -> Router {
         .merge(e2b::routes());
     // Around everything, so that any path reaches a sandbox's port when a request is routed
     // to one (E2B's proxy); every other request goes on to the routes.
-    let proxy = axum::middleware::from_fn_with_state(state.clone(), e2b::envd::port_proxy);
+    let proxy = axum::middleware::from_fn_with_state(state.clone(), e2b::port_proxy);
     api::shared_handling(routes, state).layer(proxy)
 }
 

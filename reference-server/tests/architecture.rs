@@ -11,12 +11,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Files whose import cycles are not checked here: the E2B surface and the sandbox's
-/// isolation and cgroups, whose structure is being redone on their own (issue 29).
-fn excluded(file: &str) -> bool {
-    file.starts_with("e2b/") || file == "sandbox/isolation.rs" || file.starts_with("sandbox/cgroup")
-}
-
 /// The modules that speak HTTP: handlers, routes, the SSE response, the server and its
 /// command line, and the MCP server's control-plane client.
 const HTTP_LAYERS: &[&str] = &[
@@ -95,10 +89,7 @@ fn the_modules_below_the_http_layers_use_no_http_crate() {
 #[test]
 fn no_file_imports_one_that_imports_it_back() {
     let graph = Graph::of(&server_src());
-    let cycles: Vec<_> = cycles(&graph.deps)
-        .into_iter()
-        .filter(|files| !files.iter().all(|f| excluded(f)))
-        .collect();
+    let cycles = cycles(&graph.deps);
     assert!(cycles.is_empty(), "import cycles: {cycles:#?}");
 }
 

@@ -36,6 +36,10 @@ use crate::domain::{IdKind, OnTimeout, Owner, QualifiedId, Resources, Sandbox, S
 use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::ids;
+use super::interpreter;
+use super::records::{
+    E2bState, e2b_state, provider_names, serves_code_interpreter, snapshot_named,
+};
 
 /// The envd version this server's envd surface answers as. It decides which features the
 /// SDK uses: stdin (0.3.0), the default user (0.4.0), closing stdin (0.5.2), octet-stream
@@ -218,40 +222,6 @@ pub fn body<T: DeserializeOwned + Default>(
             E2bError::bad_request(format!("invalid body at {path}: {inner}"))
         }
     })
-}
-
-/// What the E2B surface keeps in a sandbox record's body.
-#[derive(Debug, Clone, Default, serde::Serialize, Deserialize)]
-pub struct E2bState {
-    pub secure: bool,
-    /// The envd access token of a secure sandbox (returned to its team, checked by envd).
-    pub access_token: Option<String>,
-    /// `allow_internet_access` as the create asked for it (`None`: not asked).
-    #[serde(default)]
-    pub allow_internet_access: Option<bool>,
-    /// The egress configuration the sandbox was created or last updated with (`None`: none).
-    #[serde(default)]
-    pub network: Option<Value>,
-    /// Made from the code interpreter's template (or a snapshot or fork of such a sandbox):
-    /// it serves the code interpreter on its port 49999.
-    #[serde(default)]
-    pub code_interpreter: bool,
-}
-
-pub fn e2b_state(rec: &Record) -> E2bState {
-    rec.body
-        .get("e2b")
-        .and_then(|v| serde_json::from_value(v.clone()).ok())
-        .unwrap_or_default()
-}
-
-pub fn provider_names(state: &AppState) -> Vec<String> {
-    state
-        .config
-        .providers
-        .iter()
-        .map(|p| p.name.clone())
-        .collect()
 }
 
 /// The E2B ID of a stored sandbox (records without one never reach these views).
@@ -622,12 +592,12 @@ async fn create(
         .ok_or_else(|| E2bError::bad_request("templateID is required"))?;
     let (from_snapshot, code_interpreter) = if template == TEMPLATE {
         (None, false)
-    } else if template == super::interpreter::TEMPLATE {
+    } else if template == interpreter::TEMPLATE {
         (None, true)
     } else {
-        match super::templates::snapshot_named(&state, &team, &template).await? {
+        match snapshot_named(&state, &team.principal, &template).await? {
             Some(snapshot) => {
-                let serves = super::templates::serves_code_interpreter(&state, &snapshot).await?;
+                let serves = serves_code_interpreter(&state, &snapshot).await?;
                 (Some(snapshot), serves)
             }
             None => {
@@ -635,7 +605,7 @@ async fn create(
                     StatusCode::NOT_FOUND,
                     format!(
                         "template \"{template}\" not found (this server has \"{TEMPLATE}\", \"{}\" and the team's snapshots)",
-                        super::interpreter::TEMPLATE
+                        interpreter::TEMPLATE
                     ),
                 ));
             }

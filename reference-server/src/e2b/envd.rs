@@ -28,13 +28,16 @@ use crate::sandbox::{FileError, LocalProvider, SandboxFiles};
 use crate::store::{Kind, Record, Scope};
 
 use super::connect::ConnectError;
-use super::control::e2b_state;
 use super::ids;
+use super::records::e2b_state;
 
 /// The port envd listens on inside an E2B sandbox; the only port served here.
 pub const ENVD_PORT: u16 = 49983;
 /// The home directory of the E2B user, which is the sandbox's root directory here.
 pub const HOME: &str = "/home/user";
+/// The extended-attribute namespace of an entry's user metadata (envd 0.6.2 and later):
+/// written by `POST /files`, read back by it and by the filesystem service's entry info.
+pub const METADATA_PREFIX: &str = "user.e2b.";
 
 /// A plain (non-Connect) error of the envd surface: `{code, message}` with the HTTP status
 /// as the code, as envd and E2B's proxy answer.
@@ -305,45 +308,30 @@ pub async fn sandbox_for(
     })
 }
 
-/// Requests routed to a sandbox port other than envd's (the `E2b-Sandbox-Port` header, or
-/// the host form `<port>-<id>.<domain>` that the SDK's `get_host` names) are forwarded to
-/// that port as the sandbox's own processes reach it, as E2B's proxy forwards them; every
-/// other request goes on to the routes. A port nothing listens on is the proxy's 502.
-pub async fn port_proxy(
-    State(state): State<AppState>,
-    request: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let target = route_of(request.headers()).and_then(|(id, port)| {
+/// The sandbox ID and port of a request routed to a sandbox port other than envd's (the
+/// `E2b-Sandbox-Port` header, or the host form `<port>-<id>.<domain>` that the SDK's
+/// `get_host` names); `None` for every other request, which goes on to the routes.
+pub fn port_target(headers: &HeaderMap) -> Option<(String, u16)> {
+    route_of(headers).and_then(|(id, port)| {
         let port: u16 = port?.parse().ok()?;
         (port != ENVD_PORT).then_some((id, port))
-    });
-    let Some((id, port)) = target else {
-        return next.run(request).await;
-    };
-    if state.config.defects.has(Defect::E2bPortProxyMissing) {
-        return EnvdError {
-            status: StatusCode::BAD_GATEWAY,
-            message: "The sandbox is running but port is not open".into(),
-            sandbox_id: Some(id),
-        }
-        .into_response();
-    }
-    match forward_to_port(&state, &id, port, request).await {
-        Ok(response) => response,
-        Err(e) => e.into_response(),
+    })
+}
+
+/// E2B's proxy's answer for a sandbox port nothing listens on: 502, naming the sandbox.
+pub fn port_not_open(id: &str) -> EnvdError {
+    EnvdError {
+        status: StatusCode::BAD_GATEWAY,
+        message: "The sandbox is running but port is not open".into(),
+        sandbox_id: Some(id.to_owned()),
     }
 }
 
-async fn forward_to_port(
-    state: &AppState,
-    id: &str,
-    port: u16,
-    request: Request,
-) -> Result<Response, EnvdError> {
+/// The running sandbox `id` that a request to one of its ports is for.
+pub async fn port_sandbox(state: &AppState, id: &str) -> Result<EnvdSandbox, EnvdError> {
     // The port is public, as a sandbox's ports are upstream unless `allowPublicTraffic:
     // false` (which this server refuses): the sandbox ID is the address.
-    let mut headers = request.headers().clone();
+    let mut headers = HeaderMap::new();
     headers.insert(
         "e2b-sandbox-id",
         HeaderValue::from_str(id).map_err(|_| {
@@ -354,15 +342,18 @@ async fn forward_to_port(
         })?,
     );
     headers.insert("e2b-sandbox-port", HeaderValue::from(ENVD_PORT));
-    let sbx = sandbox_for(state, &headers, Access::Exempt).await?;
-    if port == super::interpreter::PORT && super::control::e2b_state(&sbx.rec).code_interpreter {
-        return Ok(super::interpreter::serve(state.clone(), sbx, request).await);
-    }
-    let closed = || EnvdError {
-        status: StatusCode::BAD_GATEWAY,
-        message: "The sandbox is running but port is not open".into(),
-        sandbox_id: Some(id.to_owned()),
-    };
+    sandbox_for(state, &headers, Access::Exempt).await
+}
+
+/// Forwards a request to `port` of the sandbox as the sandbox's own processes reach it, as
+/// E2B's proxy forwards it. A port nothing listens on is the proxy's 502.
+pub async fn forward_to_port(
+    sbx: &EnvdSandbox,
+    id: &str,
+    port: u16,
+    request: Request,
+) -> Result<Response, EnvdError> {
+    let closed = || port_not_open(id);
     let stream = sbx
         .provider
         .connect(&sbx.local, port)
@@ -584,7 +575,7 @@ fn upload_metadata(
             )));
         }
         let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
-        total += super::filesystem::METADATA_PREFIX.len() + key.len() + value.len();
+        total += METADATA_PREFIX.len() + key.len() + value.len();
         out.entry(key.to_owned()).or_insert(value);
     }
     if total > MAX_TOTAL {
@@ -743,7 +734,7 @@ pub async fn write_file(
                 bytes
             };
             let outcome = files.write(&rel, &bytes)?;
-            files.set_attributes(&outcome.path, super::filesystem::METADATA_PREFIX, &metadata)?;
+            files.set_attributes(&outcome.path, METADATA_PREFIX, &metadata)?;
             let name = outcome
                 .path
                 .rsplit('/')
@@ -751,7 +742,7 @@ pub async fn write_file(
                 .unwrap_or_default()
                 .to_owned();
             let mut entry = json!({"name": name, "type": "file", "path": to_e2b(&outcome.path)});
-            let stored = files.attributes(&outcome.path, super::filesystem::METADATA_PREFIX)?;
+            let stored = files.attributes(&outcome.path, METADATA_PREFIX)?;
             if !stored.is_empty() {
                 entry["metadata"] = json!(stored);
             }

@@ -21,7 +21,7 @@ use crate::defects::{Defect, Defects};
 use crate::sandbox::{DirWatch, FileError, SandboxFiles};
 
 use super::connect::{self, Code, ConnectError};
-use super::envd::{EnvdSandbox, blocking, to_e2b, to_rel};
+use super::envd::{EnvdSandbox, METADATA_PREFIX, blocking, to_e2b, to_rel};
 
 /// How often a WatchDir stream looks at its queue without a wake-up.
 const WATCH_POLL: Duration = Duration::from_millis(200);
@@ -100,9 +100,6 @@ fn permissions(kind: &str, mode: u32) -> String {
     }
     out
 }
-
-/// The extended-attribute namespace of an entry's user metadata (envd 0.6.2 and later).
-pub const METADATA_PREFIX: &str = "user.e2b.";
 
 /// `EntryInfo` of the entry at root-relative `rel`, as envd describes it: the entry's own
 /// name, size and permissions string, but for a symlink the type and `mode` (permission bits

@@ -6,6 +6,8 @@
 //! # Layout
 //!
 //! - [`ids`]: E2B sandbox IDs and the provider-qualified IDs they stand for.
+//! - [`records`]: what the E2B surface keeps in sandbox and snapshot records, and the
+//!   lookups by it; below every other file here but `ids`.
 //! - [`control`]: the control plane, its authentication and its `{code, message}` errors.
 //! - [`connect`]: the Connect protocol with the JSON codec: unary calls, server-stream
 //!   envelopes, error codes.
@@ -16,6 +18,10 @@
 //! - [`interpreter`]: the code interpreter's service (port 49999) of sandboxes made from its
 //!   template, with a Python kernel per context.
 //!
+//! This file puts them together: the routes, and [`port_proxy`], the layer before them that
+//! hands a request for another sandbox port than envd's to the code interpreter or to the
+//! sandbox.
+//!
 //! What the upstream contract is and which parts are served is in `docs/profiles/e2b.md`.
 
 pub mod connect;
@@ -25,12 +31,17 @@ pub mod filesystem;
 pub mod ids;
 pub mod interpreter;
 pub mod process;
+pub mod records;
 pub mod templates;
 
 use axum::Router;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 
 use crate::api::AppState;
+use crate::defects::Defect;
 
 /// The E2B routes, merged into the server's router beside `/v1`.
 pub fn routes() -> Router<AppState> {
@@ -91,4 +102,28 @@ pub fn routes() -> Router<AppState> {
             "/filesystem.Filesystem/RemoveWatcher",
             post(filesystem::remove_watcher),
         )
+}
+
+/// Requests routed to a sandbox port other than envd's (`envd::port_target`) are answered by
+/// the code interpreter when the port is its own and the sandbox serves it, else forwarded to
+/// that port as the sandbox's own processes reach it, as E2B's proxy forwards them; every
+/// other request goes on to the routes. A port nothing listens on is the proxy's 502.
+pub async fn port_proxy(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let Some((id, port)) = envd::port_target(request.headers()) else {
+        return next.run(request).await;
+    };
+    if state.config.defects.has(Defect::E2bPortProxyMissing) {
+        return envd::port_not_open(&id).into_response();
+    }
+    let sbx = match envd::port_sandbox(&state, &id).await {
+        Ok(sbx) => sbx,
+        Err(e) => return e.into_response(),
+    };
+    if port == interpreter::PORT && records::e2b_state(&sbx.rec).code_interpreter {
+        return interpreter::serve(state, sbx, request).await;
+    }
+    match envd::forward_to_port(&sbx, &id, port, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
 }

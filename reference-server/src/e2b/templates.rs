@@ -25,9 +25,10 @@ use crate::domain::{IdKind, OnTimeout, QualifiedId, SandboxState, Snapshot};
 use crate::store::{Kind, ListQuery, Record, Scope};
 
 use super::control::{
-    E2bError, Spec, Team, body, create_sandbox, e2b_state, owned, provider_names, sandbox_view,
+    E2bError, Spec, Team, body, create_sandbox, e2b_state_name, owned, sandbox_view,
 };
 use super::ids;
+use super::records::{e2b_state, name_of, provider_names, snapshot_named};
 
 /// E2B's list page size for snapshots: default and maximum.
 const PAGE_LIMIT: u32 = 100;
@@ -35,11 +36,6 @@ const PAGE_LIMIT: u32 = 100;
 const MAX_NAME: usize = 128;
 /// Most forks of one request (`SandboxForkRequest.count`, maximum 100 upstream).
 const MAX_FORKS: i64 = 100;
-
-/// The name a snapshot was given through E2B, if any.
-fn name_of(rec: &Record) -> Option<&str> {
-    rec.body.get("e2b_name").and_then(Value::as_str)
-}
 
 /// The full name E2B gives a named snapshot template: `<team>/<name>:default`.
 fn full_name(team: &str, name: &str) -> String {
@@ -54,39 +50,6 @@ fn snapshot_view(state: &AppState, rec: &Record) -> Value {
         .into_iter()
         .collect();
     json!({"snapshotID": id, "names": names})
-}
-
-/// The team's snapshot that `template` names: its E2B snapshot ID, its name, or its full
-/// name (`<team>/<name>` with or without `:default`). Another team's is not found.
-pub async fn snapshot_named(
-    state: &AppState,
-    team: &Team,
-    template: &str,
-) -> Result<Option<String>, E2bError> {
-    if let Some(qualified) = ids::snapshot_from_e2b(&provider_names(state), template) {
-        return Ok(state
-            .store
-            .get(Kind::Snapshot, Scope::Owner(&team.principal), &qualified)
-            .await?
-            .map(|r| r.id));
-    }
-    let bare = template.strip_suffix(":default").unwrap_or(template);
-    let bare = bare
-        .strip_prefix(&format!("{}/", team.principal))
-        .unwrap_or(bare);
-    let q = ListQuery::new(Kind::Snapshot, Scope::Owner(&team.principal));
-    let found = list_matching(state, q, 1, |r| name_of(r) == Some(bare)).await?;
-    Ok(found.into_iter().next().map(|r| r.id))
-}
-
-/// Whether sandboxes made from the snapshot (a qualified ID) serve the code interpreter: it
-/// was taken of a sandbox that did. Its kernels are not in it (files only).
-pub async fn serves_code_interpreter(state: &AppState, snapshot: &str) -> Result<bool, E2bError> {
-    Ok(state
-        .store
-        .get(Kind::Snapshot, Scope::System, snapshot)
-        .await?
-        .is_some_and(|r| r.body.get("e2b_code_interpreter") == Some(&Value::Bool(true))))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -171,7 +134,9 @@ pub async fn create_snapshot(
     }
     let sandbox = owned(&state, &team, &id).await?;
     if let Some(name) = &req.name
-        && snapshot_named(&state, &team, name).await?.is_some()
+        && snapshot_named(&state, &team.principal, name)
+            .await?
+            .is_some()
     {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
@@ -259,7 +224,7 @@ pub async fn delete_template(
             format!("template \"{id}\" not found"),
         )
     };
-    let qualified = snapshot_named(&state, &team, &id)
+    let qualified = snapshot_named(&state, &team.principal, &id)
         .await?
         .ok_or_else(not_found)?;
     let (provider, local) = split(&qualified)?;
@@ -326,10 +291,7 @@ pub async fn fork(
     if sandbox.state != SandboxState::Running {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
-            format!(
-                "sandbox \"{id}\" is {}",
-                super::control::e2b_state_name(&sandbox)
-            ),
+            format!("sandbox \"{id}\" is {}", e2b_state_name(&sandbox)),
         ));
     }
     let snapshot = take_snapshot(&state, &team, &source, None).await?;
