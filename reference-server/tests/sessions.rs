@@ -1179,6 +1179,7 @@ fn ids(frames: &[support::Frame]) -> Vec<i64> {
 }
 
 /// A session with two finished turns: `(sid, first, second)`.
+#[cfg(feature = "defects")]
 async fn two_finished_turns(app: &TestApp) -> (String, String, String) {
     let session = create_session(app, ALICE, "echo").await;
     let sid = session["id"].as_str().unwrap().to_owned();

@@ -278,16 +278,12 @@ class Kernel:
             raise KeyboardInterrupt
 
     def run(self, code_object):
-        self.executing = True
-        try:
-            value = eval(code_object, self.namespace)
-            if inspect.iscoroutine(value):
-                if self.loop is None:
-                    self.loop = asyncio.new_event_loop()
-                value = self.loop.run_until_complete(value)
-            return value
-        finally:
-            self.executing = False
+        value = eval(code_object, self.namespace)
+        if inspect.iscoroutine(value):
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            value = self.loop.run_until_complete(value)
+        return value
 
     def report(self, exc):
         settle()
@@ -311,29 +307,32 @@ class Kernel:
 
     def execute(self, code):
         self.count += 1
-        CHANNEL.send({"type": "number_of_executions", "execution_count": self.count})
         filename = "<cell-%d>" % self.count
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+        # An interrupt counts from the moment the client is told the execution began: the
+        # server interrupts as soon as that client leaves, which may be before the code runs.
+        self.executing = True
         try:
+            CHANNEL.send({"type": "number_of_executions", "execution_count": self.count})
+            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
             tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST | flags)
-        except (SyntaxError, ValueError) as e:
-            self.report(e)
-            return
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        try:
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
             if tree.body:
                 self.run(compile(tree, filename, "exec", flags))
             if last is not None:
                 value = self.run(compile(last, filename, "eval", flags))
+                self.executing = False
                 if value is not None:
                     builtins._ = value
                     settle()
                     publish(value, True)
         except BaseException as e:
+            self.executing = False
             self.report(e)
+        finally:
+            self.executing = False
 
     def serve(self, listener):
         while True:
