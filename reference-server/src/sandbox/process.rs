@@ -272,6 +272,23 @@ pub(super) fn kill_group(pgid: i32, sig: libc::c_int) -> io::Result<()> {
     }
 }
 
+/// Gives every signal its default action in a child about to exec. An exec keeps what is
+/// ignored: a server started in the background by a shell ignores SIGINT and SIGQUIT (under
+/// `nohup`, SIGHUP), and a sandbox's processes would ignore them too, so a signal sent to a
+/// process would do nothing. The standard signals are meant; those that cannot be caught
+/// (KILL, STOP) are refused and left alone.
+fn default_signal_actions() -> io::Result<()> {
+    // SAFETY: sigaction(2) is async-signal-safe; the struct lives on this stack.
+    unsafe {
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        for sig in 1..=31 {
+            libc::sigaction(sig, &default, std::ptr::null_mut());
+        }
+    }
+    Ok(())
+}
+
 /// Starts the process of `record` and the task that captures its output and records its end.
 pub(super) fn spawn(
     launch: Launch,
@@ -290,6 +307,12 @@ pub(super) fn spawn(
 
     let mut cmd = Command::new(program);
     cmd.args(args);
+    // SAFETY: the closure runs in the child between fork and exec and makes system calls
+    // only (sigaction). It is the first closure, so what the later ones fork (a sandbox's
+    // PID namespace init) starts with the default actions too.
+    unsafe {
+        cmd.pre_exec(default_signal_actions);
+    }
     if launch.enter.is_none() {
         cmd.current_dir(&launch.cwd);
     }

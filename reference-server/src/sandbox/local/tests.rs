@@ -645,6 +645,30 @@ async fn signals_reach_the_group_and_exited_processes_refuse_them() {
     f.provider.destroy(&local).await.unwrap();
 }
 
+/// A signal the server ignores (as one started in the background by a shell ignores SIGINT)
+/// is not ignored by what a sandbox runs: its processes start with every default action.
+/// SIGUSR2 stands in, since no test sends it.
+#[tokio::test]
+async fn processes_start_with_default_signal_actions_whatever_the_server_ignores() {
+    let ignored = |status: &str| -> u64 {
+        let line = status.lines().find(|l| l.starts_with("SigIgn:")).unwrap();
+        u64::from_str_radix(line["SigIgn:".len()..].trim(), 16).unwrap()
+    };
+    let usr2 = 1u64 << (libc::SIGUSR2 - 1);
+    // SAFETY: setting a disposition of this process; nothing here handles SIGUSR2.
+    unsafe { libc::signal(libc::SIGUSR2, libc::SIG_IGN) };
+    let own = std::fs::read_to_string("/proc/self/status").unwrap();
+    assert_ne!(ignored(&own) & usr2, 0, "the test ignores SIGUSR2");
+    let f = fixture().await;
+    let local = f.sandbox().await;
+    let id = f.start(&local, spec(&["cat", "/proc/self/status"])).await;
+    let (events, _) = f.wait_exit(&id).await;
+    let theirs = output_of(&events, "stdout");
+    // The standard signals, 1 to 31 (the C library keeps the first real-time ones).
+    assert_eq!(ignored(&theirs) & 0x7fff_ffff, 0, "{theirs}");
+    f.provider.destroy(&local).await.unwrap();
+}
+
 #[tokio::test]
 async fn programs_that_cannot_run_are_refused_and_leave_nothing() {
     let f = fixture().await;
