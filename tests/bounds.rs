@@ -448,3 +448,52 @@ fn a_launched_service_printing_an_endless_line_is_kept_to_the_cap() {
     );
     bounded(&m, SMALL_PEAK_BOUND_KIB);
 }
+
+/// A request's `within_s` bounds how long its answer may take: an answer that comes later
+/// fails the step at that bound (the connection closed then, not at the request timeout),
+/// and one that comes in time passes the same scenario.
+#[test]
+fn an_answer_later_than_its_within_s_fails_at_that_step() {
+    let url = serve(Box::new(|method, path| {
+        if path == "/v1/capabilities" {
+            return v1_capabilities();
+        }
+        match (method, path) {
+            ("DELETE", "/v1/sandboxes/slow") => {
+                std::thread::sleep(Duration::from_secs(6));
+                json(204, json!({}))
+            }
+            ("DELETE", "/v1/sandboxes/quick") => json(200, json!({})),
+            _ => {
+                empty_list(method, path).unwrap_or_else(|| json(404, json!({"code": "not_found"})))
+            }
+        }
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = |id: &str, which: &str| {
+        format!(
+            "id: {id}\ntitle: A delete answers in time\nclauses: [SBX-3.1]\nlevel: SHOULD\nsteps:\n  - request: {{method: GET, path: /v1/capabilities}}\n  - request: {{name: delete it, method: DELETE, path: /v1/sandboxes/{which}, within_s: 2}}\n"
+        )
+    };
+    catalog(
+        dir.path(),
+        "bounds/slow.yaml",
+        &scenario("BND-WITHIN-001", "slow"),
+    );
+    let catalog_dir = catalog(
+        dir.path(),
+        "bounds/quick.yaml",
+        &scenario("BND-WITHIN-002", "quick"),
+    );
+    let m = run(&url, dir.path(), &catalog_dir, &[]);
+    assert_eq!(m.code, Some(1), "not conformant");
+    let slow = reason_of(dir.path(), "BND-WITHIN-001");
+    assert!(
+        slow.starts_with("steps[1] delete it") && slow.contains("no whole answer within 2s"),
+        "{slow}"
+    );
+    let r = receipt::predicate(&dir.path().join("out"));
+    assert_eq!(receipt::scenario(&r, "BND-WITHIN-002")["outcome"], "pass");
+    // Cut at the bound: well before the slow answer (6 s) or the request timeout (30 s).
+    assert!(m.took < Duration::from_secs(6), "the run took {:?}", m.took);
+}

@@ -239,23 +239,23 @@ impl<'a> Ctx<'a> {
         p: &Prepared,
         label: &str,
     ) -> Result<Observed, StepError> {
-        self.send_leaving(client, p, label, None).await
+        self.send_reading(client, p, label, Reading::default())
+            .await
     }
 
-    /// [`Ctx::send`]; with `leave_after`, the body is read for at most that long from when
-    /// the request was sent, and then the connection is closed (a client that goes away),
-    /// the response observed being what was read by then.
-    pub(super) async fn send_leaving(
+    /// [`Ctx::send`], each sending read as `reading` says: for at most a while before the
+    /// client goes away, or with a deadline for the whole answer.
+    pub(super) async fn send_reading(
         &mut self,
         client: &reqwest::Client,
         p: &Prepared,
         label: &str,
-        leave_after: Option<Duration>,
+        reading: Reading,
     ) -> Result<Observed, StepError> {
         let what = format!("{} {}", p.method.as_str(), p.target);
         let mut attempt = 1;
         loop {
-            let obs = self.send_once(client, p, label, leave_after).await?;
+            let obs = self.send_once(client, p, label, reading).await?;
             match self
                 .wait_out(label, &what, obs.status, &obs.headers, attempt)
                 .await
@@ -273,9 +273,9 @@ impl<'a> Ctx<'a> {
         client: &reqwest::Client,
         p: &Prepared,
         label: &str,
-        leave_after: Option<Duration>,
+        reading: Reading,
     ) -> Result<Observed, StepError> {
-        let sent = self.send_detached(client, p, label, leave_after).await;
+        let sent = self.send_detached(client, p, label, reading).await;
         self.record_sent(p, sent)
     }
 
@@ -287,16 +287,31 @@ impl<'a> Ctx<'a> {
         client: &reqwest::Client,
         p: &Prepared,
         label: &str,
-        leave_after: Option<Duration>,
+        reading: Reading,
     ) -> Sent {
         let at_ms = self.at();
         let started = Instant::now();
         self.target.usage.sent(p_body(&p.body).len() as u64);
         let builder = self.builder(client, p);
         let (timeout, limits) = (self.target.request_timeout, self.target.limits);
-        let outcome = match leave_after {
-            None => exchange(builder, timeout, limits).await,
-            Some(d) => exchange_leaving(builder, timeout, limits, d).await,
+        let read = async {
+            match reading.leave_after {
+                None => exchange(builder, timeout, limits).await,
+                Some(d) => exchange_leaving(builder, timeout, limits, d).await,
+            }
+        };
+        let outcome = match reading.within {
+            None => read.await,
+            Some(within) => match tokio::time::timeout(within, read).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(Failed::before_head(
+                    format!(
+                        "no whole answer within {}s (the step's within_s)",
+                        within.as_secs_f64()
+                    ),
+                    false,
+                )),
+            },
         };
         let exchange = HttpExchange {
             step: label.to_owned(),
@@ -466,6 +481,17 @@ pub(super) struct Failed {
     pub(super) reason: String,
     pub(super) connect: bool,
     pub(super) head: Option<(u16, reqwest::header::HeaderMap)>,
+}
+
+/// How one sending of a request reads its answer.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Reading {
+    /// Read the body for at most this long from when the request was sent, then close the
+    /// connection (a client that goes away); what was read by then is the answer.
+    pub leave_after: Option<Duration>,
+    /// The whole answer must have come this long after the request was sent; a later one
+    /// fails the step, the connection closed at the deadline.
+    pub within: Option<Duration>,
 }
 
 impl Failed {

@@ -757,3 +757,24 @@ fn agent_sandbox_clauses_defects_and_restarts_are_checked() {
         .is_ok()
     );
 }
+
+#[test]
+fn a_bound_on_the_answer_is_not_combined_with_leaving_early_nor_in_parallel() {
+    let leaving = header(
+        "steps:\n  - request: {method: GET, path: /v1/health, within_s: 2, leave_after_ms: 100}\n",
+    );
+    check_err(
+        &leaving,
+        "bad.yaml:6:34: `within_s` bounds a request's whole answer",
+    );
+    let parallel = header(
+        "steps:\n  - parallel:\n      repeat: 2\n      request: {method: GET, path: /v1/health, within_s: 2}\n      expect: [{status: 200, exactly: 2}]\n",
+    );
+    check_err(
+        &parallel,
+        "bad.yaml:8:36: `within_s` bounds a request's whole answer",
+    );
+    let unknown =
+        header("steps:\n  - request: {method: GET, path: /v1/health, within_s: limits.nope}\n");
+    check_err(&unknown, "bad.yaml:6:");
+}

@@ -82,9 +82,9 @@ impl Ctx<'_> {
             attempts += 1;
             let prepared = self.prepare(&p.request)?;
             let recorded = self.transcript.len();
-            let leave_after = p.request.leave_after_ms.map(Duration::from_millis);
+            let reading = p.request.reading(&self.vars)?;
             let obs = self
-                .send_leaving(&client, &prepared, label, leave_after)
+                .send_reading(&client, &prepared, label, reading)
                 .await?;
             match self.judge(&p.request, &obs) {
                 Ok(()) => return Ok(()),

@@ -6,18 +6,19 @@ use std::time::Duration;
 use regex::Regex;
 use serde::Deserialize;
 
-use super::kind::{StepKind, expects_2xx, named_statuses};
+use super::kind::{StepKind, expects_2xx, named_statuses, secs};
 use crate::engine::bridge;
 use crate::engine::context::{
-    CANARY_HEADER, Ctx, Prepared, StepError, is_credential_header, p_body, with_problem, with_query,
+    CANARY_HEADER, Ctx, Prepared, Reading, StepError, is_credential_header, p_body, with_problem,
+    with_query,
 };
 use crate::engine::expect::{Observed, capture, check_response, status_ok};
 use crate::engine::vars::Vars;
 use crate::profile::Profile;
 use crate::profile::e2b::{ENVD_PORT, file_signature, port_route};
 use crate::scenario::{
-    Capture, CheckCtx, Checker, Expect, Located, Method, Pos, Principal, Scope, Template, Via,
-    first_line, present,
+    Capture, CheckCtx, Checker, Expect, Located, Method, NumExpr, Pos, Principal, Scope, Template,
+    Via, first_line, present,
 };
 
 /// An HTTP request with its expectations and captures.
@@ -46,6 +47,11 @@ pub struct Request {
     /// what was read by then (a body that ends sooner is read whole).
     #[serde(default)]
     pub leave_after_ms: Option<u64>,
+    /// The whole answer must come within this many seconds of the request being sent (a
+    /// number or an expression): a later one fails the step, as a bound on how long an
+    /// operation may take. Waits for throttling are not counted.
+    #[serde(default)]
+    pub within_s: Option<NumExpr>,
     /// Raw headers. An `Authorization` header here replaces the principal's token.
     #[serde(default)]
     pub headers: BTreeMap<String, Template>,
@@ -105,6 +111,17 @@ pub struct BridgeSignature {
 }
 
 impl Request {
+    /// How each sending reads its answer: `leave_after_ms` and `within_s`.
+    pub(super) fn reading(&self, vars: &Vars<'_>) -> Result<Reading, StepError> {
+        Ok(Reading {
+            leave_after: self.leave_after_ms.map(Duration::from_millis),
+            within: match &self.within_s {
+                Some(n) => Some(secs(Ok(vars.num(n)?))),
+                None => None,
+            },
+        })
+    }
+
     /// The request's checks; in a `parallel` step the tallies judge its answer, so it takes
     /// no `expect` or `capture` of its own.
     pub fn check_as(
@@ -144,6 +161,15 @@ impl Request {
                 Pos::of(port),
                 "`port` is a port of the sandbox `envd` names: give `envd` too",
             );
+        }
+        if let Some(n) = &r.within_s {
+            c.num(n, scope, ctx);
+            if in_parallel || r.leave_after_ms.is_some() {
+                c.err(
+                    r.path.pos,
+                    "`within_s` bounds a request's whole answer: not in `parallel`, nor with `leave_after_ms`",
+                );
+            }
         }
         if r.leave_after_ms == Some(0) || (in_parallel && r.leave_after_ms.is_some()) {
             c.err(
@@ -308,10 +334,15 @@ impl StepKind for Request {
         self.check_as(c, scope, ctx, false);
     }
 
-    fn waits(&self, _ctx: &Ctx<'_>) -> Duration {
+    fn waits(&self, ctx: &Ctx<'_>) -> Duration {
+        let within = self
+            .within_s
+            .as_ref()
+            .map_or(Duration::ZERO, |n| secs(ctx.vars.num(n)));
         self.leave_after_ms
             .map(Duration::from_millis)
             .unwrap_or_default()
+            .max(within)
     }
 
     fn expects_success(&self) -> bool {
@@ -471,8 +502,8 @@ impl Ctx<'_> {
     async fn request(&mut self, r: &Request, label: &str) -> Result<(), StepError> {
         let p = self.prepare(r)?;
         let client = self.target.client.clone();
-        let leave_after = r.leave_after_ms.map(Duration::from_millis);
-        let obs = self.send_leaving(&client, &p, label, leave_after).await?;
+        let reading = r.reading(&self.vars)?;
+        let obs = self.send_reading(&client, &p, label, reading).await?;
         self.judge(r, &obs)
     }
 }

@@ -498,7 +498,11 @@ impl Ctx<'_> {
         let action = s
             .request_after
             .as_ref()
-            .map(|a| self.prepare(&a.request).map(|p| (p, a.request.label())))
+            .map(|a| {
+                let reading = a.request.reading(&self.vars)?;
+                self.prepare(&a.request)
+                    .map(|p| (p, a.request.label(), reading))
+            })
             .transpose()?;
         let strict = read_stream_signalling(
             response,
@@ -516,8 +520,10 @@ impl Ctx<'_> {
             if rx.await.is_err() {
                 return None;
             }
-            if let Some((p, request_label)) = &action {
-                let sent = self.send_detached(&client, p, request_label, None).await;
+            if let Some((p, request_label, reading)) = &action {
+                let sent = self
+                    .send_detached(&client, p, request_label, *reading)
+                    .await;
                 return Some(Acted::Sent(Box::new(sent)));
             }
             let at = self.at();
@@ -532,7 +538,7 @@ impl Ctx<'_> {
         self.target.usage.received(record.bytes);
         let stopped = match stopped {
             Some(Acted::Sent(sent)) => {
-                let (p, request_label) = action.as_ref().expect("a request was sent");
+                let (p, request_label, _) = action.as_ref().expect("a request was sent");
                 let after = s.request_after.as_ref().expect("a request was sent");
                 let judged = self
                     .record_sent(p, *sent)
