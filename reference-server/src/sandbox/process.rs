@@ -275,14 +275,14 @@ pub(super) fn kill_group(pgid: i32, sig: libc::c_int) -> io::Result<()> {
 /// Gives every signal its default action in a child about to exec. An exec keeps what is
 /// ignored: a server started in the background by a shell ignores SIGINT and SIGQUIT (under
 /// `nohup`, SIGHUP), and a sandbox's processes would ignore them too, so a signal sent to a
-/// process would do nothing. The standard signals are meant; those that cannot be caught
-/// (KILL, STOP) are refused and left alone.
-fn default_signal_actions() -> io::Result<()> {
+/// process would do nothing. Every signal up to `last` (the last real-time one); those that
+/// cannot be caught (KILL, STOP) or that the C library keeps are refused and left alone.
+fn default_signal_actions(last: libc::c_int) -> io::Result<()> {
     // SAFETY: sigaction(2) is async-signal-safe; the struct lives on this stack.
     unsafe {
         let mut default: libc::sigaction = std::mem::zeroed();
         default.sa_sigaction = libc::SIG_DFL;
-        for sig in 1..=31 {
+        for sig in 1..=last {
             libc::sigaction(sig, &default, std::ptr::null_mut());
         }
     }
@@ -307,11 +307,13 @@ pub(super) fn spawn(
 
     let mut cmd = Command::new(program);
     cmd.args(args);
+    // The last real-time signal, asked of the C library before the fork.
+    let last_signal = libc::SIGRTMAX();
     // SAFETY: the closure runs in the child between fork and exec and makes system calls
     // only (sigaction). It is the first closure, so what the later ones fork (a sandbox's
     // PID namespace init) starts with the default actions too.
     unsafe {
-        cmd.pre_exec(default_signal_actions);
+        cmd.pre_exec(move || default_signal_actions(last_signal));
     }
     if launch.enter.is_none() {
         cmd.current_dir(&launch.cwd);
@@ -324,7 +326,7 @@ pub(super) fn spawn(
                 .stdout(Stdio::from(slave.try_clone()?))
                 .stderr(Stdio::from(slave));
             // SAFETY: the closure runs in the child between fork and exec and makes system
-            // calls only. It is the first closure: the child leads a new session (and so its
+            // calls only. It runs after the signals' reset: the child leads a new session (and so its
             // own process group, as `process_group(0)` makes the others) whose controlling
             // terminal is the one on its stdin.
             unsafe {
