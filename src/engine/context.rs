@@ -293,7 +293,11 @@ impl<'a> Ctx<'a> {
         let started = Instant::now();
         self.target.usage.sent(p_body(&p.body).len() as u64);
         let builder = self.builder(client, p);
-        let (timeout, limits) = (self.target.request_timeout, self.target.limits);
+        let (mut timeout, limits) = (self.target.request_timeout, self.target.limits);
+        // A step's own bound on the answer may be longer than the request timeout.
+        if let Some(within) = reading.within {
+            timeout = timeout.max(within);
+        }
         let read = async {
             match reading.leave_after {
                 None => exchange(builder, timeout, limits).await,

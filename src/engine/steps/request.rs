@@ -116,7 +116,14 @@ impl Request {
         Ok(Reading {
             leave_after: self.leave_after_ms.map(Duration::from_millis),
             within: match &self.within_s {
-                Some(n) => Some(secs(Ok(vars.num(n)?))),
+                Some(n) => match vars.num(n)? {
+                    s @ 1.. => Some(secs(Ok(s))),
+                    s => {
+                        return Err(StepError::Error(format!(
+                            "`within_s` is {s}: a positive number of seconds is meant"
+                        )));
+                    }
+                },
                 None => None,
             },
         })

@@ -254,10 +254,16 @@ impl StepKind for Sse {
     }
 
     fn waits(&self, ctx: &Ctx<'_>) -> Duration {
-        match &self.within_s {
+        let stream = match &self.within_s {
             Some(n) => secs(ctx.vars.num(n)),
             None => secs(Ok(DEFAULT_SSE_DEADLINE_S)),
-        }
+        };
+        // The request sent while the stream is open may wait longer than the stream.
+        let action = self
+            .request_after
+            .as_ref()
+            .map_or(Duration::ZERO, |a| a.request.waits(ctx));
+        stream.max(action)
     }
 
     fn expects_success(&self) -> bool {
