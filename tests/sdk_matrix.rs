@@ -175,12 +175,16 @@ fn a_defect_fails_the_judged_journey_and_the_older_major_is_only_reported() {
     assert_eq!(outcome(&matrix, "files", PYTHON), "pass");
     let report = receipt::predicate(&out);
     assert_eq!(receipt::verdict(&report), "non-conformant");
-    let failed: Vec<&str> = receipt::scenarios(&report)
+    let failed: Vec<(&str, &str)> = receipt::scenarios(&report)
         .iter()
         .filter(|s| s["outcome"] == "fail")
-        .map(|s| s["id"].as_str().unwrap())
+        .map(|s| {
+            let id = s["id"].as_str().unwrap();
+            (id, s["reason"].as_str().unwrap_or_default())
+        })
         .collect();
-    assert_eq!(failed, ["E2B-SDK-PYTHON-TIMEOUTS"]);
+    let ids: Vec<&str> = failed.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, ["E2B-SDK-PYTHON-TIMEOUTS"], "{failed:#?}\n{stderr}");
     let timeouts = receipt::scenario(&report, "E2B-SDK-PYTHON-TIMEOUTS");
     assert_eq!(
         timeouts["failed_step"].as_str(),

@@ -686,29 +686,66 @@ async fn record_exit(
     let ended_at = now();
     let expires_at = ended_at + capture.retention;
     let truncated = capture.truncated.load(Ordering::SeqCst);
-    let result = update_record(&capture.log, &capture.record, |rec| {
-        rec.state = state.as_str().to_owned();
-        rec.due_at = Some(expires_at);
-        if let Some(body) = rec.body.as_object_mut() {
-            body.insert("state".into(), json!(state.as_str()));
-            body.insert("exit_code".into(), json!(exit_code));
-            body.insert("signal".into(), json!(signal));
-            body.insert("ended_at".into(), json!(rfc3339(ended_at)));
-            body.insert("output_expires_at".into(), json!(rfc3339(expires_at)));
-            if truncated {
-                body.insert("truncated".into(), Value::Bool(true));
+    let id = &capture.record.id;
+    // The end of a process must reach the store: the record's state, and then the `exit`
+    // event, which ends every stream of the process and makes its output complete. A store
+    // that is busy or down for a while (a locked SQLite file, a PostgreSQL restart) gets each
+    // again once it answers, for up to `EXIT_STORE_PATIENCE`.
+    let recorded = patiently("the exit", id, || {
+        update_record(&capture.log, &capture.record, |rec| {
+            rec.state = state.as_str().to_owned();
+            rec.due_at = Some(expires_at);
+            if let Some(body) = rec.body.as_object_mut() {
+                body.insert("state".into(), json!(state.as_str()));
+                body.insert("exit_code".into(), json!(exit_code));
+                body.insert("signal".into(), json!(signal));
+                body.insert("ended_at".into(), json!(rfc3339(ended_at)));
+                body.insert("output_expires_at".into(), json!(rfc3339(expires_at)));
+                if truncated {
+                    body.insert("truncated".into(), Value::Bool(true));
+                }
             }
-        }
-    })
-    .await;
-    if let Err(e) = result {
-        tracing::warn!(process = %capture.record.id, error = %e, "could not record the exit");
+        })
+    });
+    if let Err(e) = recorded.await {
+        tracing::warn!(process = %id, error = %e, "could not record the exit");
     }
     let exit = json!({ "state": state.as_str(), "exit_code": exit_code, "signal": signal });
-    if let Err(e) = capture.log.append(&capture.stream, "exit", &exit).await {
-        tracing::warn!(process = %capture.record.id, error = %e, "could not append the exit event");
+    let appended = patiently("the exit event", id, || async {
+        capture
+            .log
+            .append(&capture.stream, "exit", &exit)
+            .await
+            .map(drop)
+    });
+    if let Err(e) = appended.await {
+        tracing::warn!(process = %id, error = %e, "could not append the exit event");
     }
 }
+
+/// Runs `write` until it is done, again while the store is unavailable, pausing longer each
+/// time, for up to [`EXIT_STORE_PATIENCE`].
+async fn patiently<F, Fut>(what: &str, process: &str, write: F) -> Result<(), StoreError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let give_up = tokio::time::Instant::now() + EXIT_STORE_PATIENCE;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match write().await {
+            Err(StoreError::Unavailable(e)) if tokio::time::Instant::now() + pause < give_up => {
+                tracing::warn!(process = %process, error = %e, "{what} waits for the store");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// How long the end of a process waits for an unavailable store to take it.
+const EXIT_STORE_PATIENCE: Duration = Duration::from_secs(300);
 
 /// Reads one pipe to its end (or until told to stop), appending each chunk as an event.
 async fn pump(

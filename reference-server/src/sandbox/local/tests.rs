@@ -1359,3 +1359,39 @@ async fn the_first_process_sees_the_parent_as_it_stays() {
     }
     f.provider.destroy(&local).await.unwrap();
 }
+
+/// The end of a process reaches a store that was locked when the process ended: a SQLite file
+/// whose write lock another connection holds for longer than the store's busy timeout (10 s)
+/// twice over, so that both the record's update and the `exit` event's first append give up.
+/// Once the lock is let go, the process is recorded exited and its log ends with `exit`.
+#[tokio::test]
+async fn a_process_that_ends_while_the_store_is_locked_is_recorded_once_it_is_free() {
+    use sqlx::Connection as _;
+    let tmp = tempfile::tempdir().unwrap();
+    let config = Config::for_tests(tmp.path().join("data"));
+    let file = tmp.path().join("store.db");
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(Some(&file)).await.unwrap());
+    let log = EventLog::new(store.clone());
+    let provider =
+        LocalProvider::with_cgroups(&config.providers[0], &config, log, Cgroups::none()).unwrap();
+    let f = Fixture {
+        provider,
+        store,
+        _tmp: tmp,
+    };
+    let local = f.sandbox().await;
+    let id = f.start(&local, spec(&["sleep", "1"])).await;
+    let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", file.display()))
+        .await
+        .unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(23)).await;
+    sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+    let (events, record) = f.wait_exit(&id).await;
+    assert_eq!(events.last().unwrap().kind, "exit");
+    assert_eq!(record.state, "exited");
+    f.provider.destroy(&local).await.unwrap();
+}
