@@ -595,11 +595,13 @@ impl Capture {
         if text.is_empty() {
             return;
         }
-        if let Err(e) = self
-            .log
-            .append(&self.stream, kind, &json!({ "data": text }))
-            .await
-        {
+        // Output waits for a busy or stopped store as the process's end does (the pipe fills
+        // meanwhile, and the process waits to write): none is lost to a passing lock.
+        let data = json!({ "data": text });
+        let appended = patiently("output", &self.record.id, || async {
+            self.log.append(&self.stream, kind, &data).await.map(drop)
+        });
+        if let Err(e) = appended.await {
             tracing::warn!(process = %self.record.id, error = %e, "could not append output");
         }
     }
@@ -690,7 +692,7 @@ async fn record_exit(
     // The end of a process must reach the store: the record's state, and then the `exit`
     // event, which ends every stream of the process and makes its output complete. A store
     // that is busy or down for a while (a locked SQLite file, a PostgreSQL restart) gets each
-    // again once it answers, for up to `EXIT_STORE_PATIENCE`.
+    // again once it answers, for up to `STORE_PATIENCE`.
     let recorded = patiently("the exit", id, || {
         update_record(&capture.log, &capture.record, |rec| {
             rec.state = state.as_str().to_owned();
@@ -724,13 +726,13 @@ async fn record_exit(
 }
 
 /// Runs `write` until it is done, again while the store is unavailable, pausing longer each
-/// time, for up to [`EXIT_STORE_PATIENCE`].
+/// time, for up to [`STORE_PATIENCE`].
 async fn patiently<F, Fut>(what: &str, process: &str, write: F) -> Result<(), StoreError>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<(), StoreError>>,
 {
-    let give_up = tokio::time::Instant::now() + EXIT_STORE_PATIENCE;
+    let give_up = tokio::time::Instant::now() + STORE_PATIENCE;
     let mut pause = Duration::from_millis(100);
     loop {
         match write().await {
@@ -744,8 +746,8 @@ where
     }
 }
 
-/// How long the end of a process waits for an unavailable store to take it.
-const EXIT_STORE_PATIENCE: Duration = Duration::from_secs(300);
+/// How long a process's output and end wait for an unavailable store to take them.
+const STORE_PATIENCE: Duration = Duration::from_secs(300);
 
 /// Reads one pipe to its end (or until told to stop), appending each chunk as an event.
 async fn pump(

@@ -1360,10 +1360,10 @@ async fn the_first_process_sees_the_parent_as_it_stays() {
     f.provider.destroy(&local).await.unwrap();
 }
 
-/// The end of a process reaches a store that was locked when the process ended: a SQLite file
-/// whose write lock another connection holds for longer than the store's busy timeout (10 s)
-/// twice over, so that both the record's update and the `exit` event's first append give up.
-/// Once the lock is let go, the process is recorded exited and its log ends with `exit`.
+/// The output and the end of a process reach a store that was locked when they came: a SQLite
+/// file whose write lock another connection holds for longer than the store's busy timeout
+/// (10 s) twice over, so that the first writes give up. Once the lock is let go, the output is
+/// in the log, the process is recorded exited and its log ends with `exit`.
 #[tokio::test]
 async fn a_process_that_ends_while_the_store_is_locked_is_recorded_once_it_is_free() {
     use sqlx::Connection as _;
@@ -1380,7 +1380,7 @@ async fn a_process_that_ends_while_the_store_is_locked_is_recorded_once_it_is_fr
         _tmp: tmp,
     };
     let local = f.sandbox().await;
-    let id = f.start(&local, spec(&["sleep", "1"])).await;
+    let id = f.start(&local, sh("sleep 1; echo late")).await;
     let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", file.display()))
         .await
         .unwrap();
@@ -1391,6 +1391,7 @@ async fn a_process_that_ends_while_the_store_is_locked_is_recorded_once_it_is_fr
     tokio::time::sleep(Duration::from_secs(23)).await;
     sqlx::query("COMMIT").execute(&mut other).await.unwrap();
     let (events, record) = f.wait_exit(&id).await;
+    assert_eq!(output_of(&events, "stdout"), "late\n");
     assert_eq!(events.last().unwrap().kind, "exit");
     assert_eq!(record.state, "exited");
     f.provider.destroy(&local).await.unwrap();
