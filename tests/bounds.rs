@@ -501,3 +501,82 @@ fn an_answer_later_than_its_within_s_fails_at_that_step() {
         m.took
     );
 }
+
+/// A stream that ends for its bound (`stream.end {reason: max_duration}`) before its subject
+/// ends: a `follow` step resumes it from the cursor its end names, with `Last-Event-ID`, and
+/// judges both connections as one stream; the same step without `follow` fails at the end the
+/// bound made; a stream that never reaches its end condition fails a `follow` step at its
+/// deadline rather than being followed for ever.
+#[test]
+fn a_followed_stream_is_resumed_after_its_bound_and_still_fails_when_it_never_ends() {
+    const BOUNDED: &str = "id: 1\nevent: begun\ndata: {\"seq\":1}\n\nevent: stream.end\ndata: {\"reason\":\"max_duration\",\"resume_after\":1}\n\n";
+    let url = crate::support::hostile::serve_with_head(Box::new(|method, path, head| {
+        if path == "/v1/capabilities" {
+            return v1_capabilities();
+        }
+        let resumed_at = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("last-event-id")
+                    .then(|| v.trim().to_owned())
+            })
+            .unwrap_or_default();
+        let sse = |body: &str| Answer::Whole(200, "text/event-stream", body.to_owned());
+        match (method, path, resumed_at.as_str()) {
+            ("GET", "/v1/jobs/ends/events" | "/v1/jobs/endless/events", "") => sse(BOUNDED),
+            ("GET", "/v1/jobs/ends/events", "1") => {
+                sse("id: 2\nevent: done\ndata: {\"seq\":2}\n\n")
+            }
+            // Resumed, it has nothing more, and ends for its bound again a moment later.
+            ("GET", "/v1/jobs/endless/events", "1") => {
+                std::thread::sleep(Duration::from_millis(300));
+                sse("event: stream.end\ndata: {\"reason\":\"max_duration\",\"resume_after\":1}\n\n")
+            }
+            _ => {
+                empty_list(method, path).unwrap_or_else(|| json(400, json!({"code": "bad_cursor"})))
+            }
+        }
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = |id: &str, job: &str, follow: bool| {
+        format!(
+            "id: {id}\ntitle: A job's stream ends after its end\nclauses: [SSE-7.2]\nlevel: SHOULD\nsteps:\n  - request: {{method: GET, path: /v1/capabilities}}\n  - sse:\n      name: the job's stream\n      path: /v1/jobs/{job}/events\n      within_s: 3\n      follow: {follow}\n      events: [{{event: begun, id: \"1\"}}]\n      last_event: {{event: done}}\n"
+        )
+    };
+    catalog(
+        dir.path(),
+        "follow/followed.yaml",
+        &scenario("FOL-001", "ends", true),
+    );
+    catalog(
+        dir.path(),
+        "follow/not-followed.yaml",
+        &scenario("FOL-002", "ends", false),
+    );
+    let catalog_dir = catalog(
+        dir.path(),
+        "follow/endless.yaml",
+        &scenario("FOL-003", "endless", true),
+    );
+    let m = run(&url, dir.path(), &catalog_dir, &[]);
+    assert_eq!(m.code, Some(1), "not conformant");
+    let r = receipt::predicate(&dir.path().join("out"));
+    assert_eq!(receipt::scenario(&r, "FOL-001")["outcome"], "pass");
+    let not_followed = reason_of(dir.path(), "FOL-002");
+    assert!(
+        not_followed.starts_with("steps[1] the job's stream")
+            && not_followed
+                .contains("last event (#1) is `stream.end` ({\"reason\":\"max_duration\""),
+        "{not_followed}"
+    );
+    let endless = reason_of(dir.path(), "FOL-003");
+    // Followed until the deadline: it fails there, whether the last connection was being
+    // read or was still being opened.
+    assert!(
+        endless.starts_with("steps[1] the job's stream")
+            && (endless.contains("stream did not reach its end condition within 3s")
+                || endless.contains("following the stream from 1: no response")),
+        "{endless}"
+    );
+}

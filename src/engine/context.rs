@@ -141,6 +141,7 @@ pub(super) struct Sent {
 }
 
 /// A request ready to send.
+#[derive(Clone)]
 pub(super) struct Prepared {
     /// The endpoint it goes to.
     pub(super) via: Via,

@@ -778,3 +778,27 @@ fn a_bound_on_the_answer_is_not_combined_with_leaving_early_nor_in_parallel() {
         header("steps:\n  - request: {method: GET, path: /v1/health, within_s: limits.nope}\n");
     check_err(&unknown, "bad.yaml:6:");
 }
+
+#[test]
+fn a_followed_stream_takes_no_single_connection_action() {
+    for (field, value) in [
+        ("cut_after", "2"),
+        (
+            "request_after",
+            "{events: 1, request: {method: GET, path: /v1/health}}",
+        ),
+        ("min_duration_s", "3"),
+    ] {
+        let text = header(&format!(
+            "steps:\n  - sse: {{path: /v1/sessions/s/events, follow: true, {field}: {value}}}\n"
+        ));
+        check_err(
+            &text,
+            &format!(
+                "bad.yaml:6:17: `follow` reads the stream over several connections: not with `{field}`"
+            ),
+        );
+    }
+    let fine = header("steps:\n  - sse: {path: /v1/sessions/s/events, follow: true}\n");
+    parse_str(Path::new("ok.yaml"), &fine).expect("a plain followed stream parses");
+}

@@ -32,12 +32,21 @@ pub enum Answer {
 /// Picks the answer to a request by its method and path (query included).
 pub type Route = dyn Fn(&str, &str) -> Answer + Send + Sync;
 
+/// Picks the answer to a request by its method, its path and its whole head (request line
+/// and headers, as received).
+pub type HeadRoute = dyn Fn(&str, &str, &str) -> Answer + Send + Sync;
+
 /// Starts the server on a free loopback port; returns its base URL. It runs until the test
 /// process ends.
 pub fn serve(route: Box<Route>) -> String {
+    serve_with_head(Box::new(move |method, path, _| route(method, path)))
+}
+
+/// [`serve`], with routes that read the request's headers too.
+pub fn serve_with_head(route: Box<HeadRoute>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let route: Arc<Route> = Arc::from(route);
+    let route: Arc<HeadRoute> = Arc::from(route);
     std::thread::spawn(move || {
         for socket in listener.incoming() {
             let Ok(socket) = socket else { continue };
@@ -48,7 +57,7 @@ pub fn serve(route: Box<Route>) -> String {
     url
 }
 
-fn answer(mut socket: TcpStream, route: &Route) {
+fn answer(mut socket: TcpStream, route: &HeadRoute) {
     let mut head = Vec::new();
     let mut buf = [0u8; 4096];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -60,7 +69,7 @@ fn answer(mut socket: TcpStream, route: &Route) {
     let text = String::from_utf8_lossy(&head);
     let mut first = text.lines().next().unwrap_or_default().split(' ');
     let (method, path) = (first.next().unwrap_or(""), first.next().unwrap_or(""));
-    match route(method, path) {
+    match route(method, path, &text) {
         Answer::Whole(status, content_type, body) => {
             let response = format!(
                 "HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",

@@ -33,6 +33,16 @@ enum Acted {
     Sent(Box<crate::engine::context::Sent>),
 }
 
+/// A stream's response, its headers judged worth reading.
+struct Opened {
+    exchange: SseExchange,
+    response: reqwest::Response,
+    /// When its request was sent.
+    sent: Instant,
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+}
+
 /// `(event type, id)` per event, as an interop probe saw them.
 type Seen = Vec<(String, Option<String>)>;
 
@@ -102,6 +112,13 @@ pub struct Sse {
     /// event stream).
     #[serde(default)]
     pub request_after: Option<RequestAfter>,
+    /// When the stream ends for its bound (`stream.end` with `max_duration`, or a reason the
+    /// runner does not know), reconnect from the cursor it names, as a client does, until the
+    /// step's end condition or its deadline: the events of all connections are judged as
+    /// one stream, without the `stream.end` events between them. For a step that reads a
+    /// subject to its end, which may take longer than the target's stream duration.
+    #[serde(default)]
+    pub follow: bool,
     /// Capture the id of the last event received.
     #[serde(default)]
     pub capture_last_id: Option<Located<String>>,
@@ -229,6 +246,26 @@ impl StepKind for Sse {
         {
             c.err(self.path.pos, "`expect_none` contradicts `events`");
         }
+        if self.follow {
+            let clashes = [
+                ("cut_after", self.cut_after.is_some()),
+                ("stop_database_after", self.stop_database_after.is_some()),
+                ("request_after", self.request_after.is_some()),
+                ("min_duration_s", self.min_duration_s.is_some()),
+                ("measure_eof", self.measure_eof.is_some()),
+                ("expect_none", self.expect_none),
+            ];
+            for (field, set) in clashes {
+                if set {
+                    c.err(
+                        self.path.pos,
+                        format!(
+                            "`follow` reads the stream over several connections: not with `{field}`"
+                        ),
+                    );
+                }
+            }
+        }
         if let Some(name) = &self.capture_last_id {
             c.define_capture(&name.value, Pos::of(name), scope);
         }
@@ -348,75 +385,15 @@ impl Ctx<'_> {
             .as_ref()
             .map(|n| self.vars.num(n))
             .transpose()?;
-        let what = format!("GET {}", prepared.target);
-        let mut attempt = 1;
-        let (mut exchange, response, sent, status, headers) = loop {
-            let at_ms = self.at();
-            let sent = Instant::now();
-            self.target.usage.sent(0);
-            // The response headers, like the stream after them, must come within the step's
-            // deadline; no request timeout beyond that.
-            let result = tokio::time::timeout(
-                deadline,
-                self.builder(&self.target.client, &prepared).send(),
-            )
-            .await;
-            let mut exchange = SseExchange {
-                step: label.to_owned(),
-                at_ms,
-                credential: self.credential(&prepared),
-                target: prepared.target.clone(),
-                last_event_id: last_event_id.clone(),
-                status: None,
-                response_headers: Vec::new(),
-                frames: Vec::new(),
-                first_frame_ms: None,
-                eof_ms: None,
-                end: String::new(),
-            };
-            let response = match result {
-                Ok(Ok(r)) => r,
-                Err(_) => {
-                    let reason = format!(
-                        "no response: headers not received within {deadline_s}s (the step's deadline)"
-                    );
-                    exchange.end = format!("error: {reason}");
-                    self.transcript.push(Entry::Sse(exchange));
-                    return Err(StepError::Fail(reason));
-                }
-                Ok(Err(e)) => {
-                    let reason = describe_reqwest(&e);
-                    exchange.end = format!("error: {reason}");
-                    self.transcript.push(Entry::Sse(exchange));
-                    return Err(if e.is_connect() {
-                        StepError::Error(reason)
-                    } else {
-                        StepError::Fail(format!("no response: {reason}"))
-                    });
-                }
-            };
-            let status = response.status().as_u16();
-            let headers = response.headers().clone();
-            exchange.status = Some(status);
-            exchange.response_headers = record_headers(&headers);
-            match self.throttle(&what, status, &headers, attempt) {
-                OnThrottle::Judge => break (exchange, response, sent, status, headers),
-                OnThrottle::GiveUp(reason) => {
-                    exchange.end = "throttled".into();
-                    self.transcript.push(Entry::Sse(exchange));
-                    return Err(StepError::Error(reason));
-                }
-                OnThrottle::Wait(t) => {
-                    drop(response);
-                    exchange.end = "throttled".into();
-                    self.transcript.push(Entry::Sse(exchange));
-                    self.spent_waiting(t.wait);
-                    self.record_wait(label, &what, &t);
-                    tokio::time::sleep(t.wait).await;
-                    attempt += 1;
-                }
-            }
-        };
+        let Opened {
+            mut exchange,
+            response,
+            sent,
+            status,
+            headers,
+        } = self
+            .open_stream(&prepared, last_event_id.clone(), deadline, label)
+            .await?;
         let mut failures = Vec::new();
         let status_check = status_ok(&s.expect, status, Some(200));
         if status == 200
@@ -589,12 +566,6 @@ impl Ctx<'_> {
             )),
             None => {}
         }
-        exchange.first_frame_ms = record.first_frame.map(ms);
-        exchange.eof_ms = record.eof.map(ms);
-        exchange.end = match &record.end {
-            EndReason::TooLarge(t) => format!("TooLarge: {t}"),
-            end => format!("{end:?}"),
-        };
         let mut framing = Framing::after(resume_after);
         if s.id_gaps {
             framing = framing.allowing_gaps();
@@ -602,41 +573,79 @@ impl Ctx<'_> {
         if s.ids_only {
             framing = framing.ids_only();
         }
-        let mut events = Vec::new();
-        for timed in &record.items {
-            let at_ms = ms(timed.at);
-            match &timed.item {
-                Item::Event(e) => {
-                    exchange.frames.push(Frame::Event {
-                        at_ms,
-                        event: e.event.clone(),
-                        id: e.id.clone(),
-                        data: e.data.clone(),
-                    });
-                    if s.strict_framing {
-                        for fault in framing.check(e) {
-                            failures.push(format!("framing: {fault}"));
-                        }
-                    }
-                    events.push(e.clone());
-                }
-                Item::Comment(text) => exchange.frames.push(Frame::Comment {
-                    at_ms,
-                    text: text.clone(),
-                }),
-                Item::Retry(n) => exchange.frames.push(Frame::Retry { at_ms, ms: *n }),
-                Item::Fault(fault) => {
-                    exchange.frames.push(Frame::Fault {
-                        at_ms,
-                        fault: fault.to_string(),
-                    });
-                    if s.strict_framing {
-                        failures.push(format!("framing: {fault}"));
-                    }
-                }
-            }
-        }
+        let mut events = take_frames(&mut exchange, &record, &mut framing, s, &mut failures);
         self.transcript.push(Entry::Sse(exchange));
+        let first_frame = record.first_frame;
+        let mut followed = false;
+        let mut longest_silence = record.longest_silence;
+        let mut record = record;
+        while s.follow && record.end == EndReason::Eof {
+            // A stream that ended for its bound (not for its subject, nor for lagging) is
+            // resumed from the cursor its `stream.end` names, as a client does (§7).
+            let Some(resume) = events.last().and_then(followable_end) else {
+                break;
+            };
+            let left = deadline.saturating_sub(sent.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            self.note(format!(
+                "{label}: the stream ended for its bound after {} events; following it from {resume}",
+                events.len() - 1
+            ));
+            let mut again = prepared.clone();
+            again.headers.retain(|(k, _)| k != "Last-Event-ID");
+            again
+                .headers
+                .push(("Last-Event-ID".to_owned(), resume.to_string()));
+            let opened = match self
+                .open_stream(&again, Some(resume.to_string()), left, label)
+                .await
+            {
+                Ok(opened) => opened,
+                Err(StepError::Fail(reason)) => {
+                    failures.push(format!("following the stream from {resume}: {reason}"));
+                    break;
+                }
+                Err(other) => return Err(other),
+            };
+            // The end between two connections is not one of the stream's events.
+            events.pop();
+            followed = true;
+            let Opened {
+                mut exchange,
+                response,
+                sent: resent,
+                status,
+                ..
+            } = opened;
+            if status != 200 {
+                exchange.end = "not a stream".into();
+                self.transcript.push(Entry::Sse(exchange));
+                failures.push(format!(
+                    "following the stream from {resume} after its bound: status {status}"
+                ));
+                break;
+            }
+            let stop = match &s.until {
+                Until::Eof => Stop::Eof,
+                Until::Events(n) => Stop::Events((*n as usize).saturating_sub(events.len())),
+                Until::Event(t) => Stop::Event(t.clone()),
+            };
+            record =
+                crate::sse::read_stream(response, self.target.limits, resent, stop, None, left)
+                    .await;
+            self.target.usage.received(record.bytes);
+            longest_silence = longest_silence.max(record.longest_silence);
+            events.extend(take_frames(
+                &mut exchange,
+                &record,
+                &mut framing,
+                s,
+                &mut failures,
+            ));
+            self.transcript.push(Entry::Sse(exchange));
+        }
         match (&record.end, &s.until, s.cut_after) {
             (EndReason::BodyError(e), _, _) => failures.push(format!("stream broke: {e}")),
             (EndReason::TooLarge(t), _, _) => failures.push(format!("stream refused: {t}")),
@@ -713,15 +722,18 @@ impl Ctx<'_> {
         }
         if let Some(limit) = heartbeat {
             let limit = Duration::from_secs(u64::try_from(limit).unwrap_or(0));
-            if record.longest_silence > limit {
+            if longest_silence > limit {
                 failures.push(format!(
                     "silent for {:.1}s, heartbeats due every {}s",
-                    record.longest_silence.as_secs_f64(),
+                    longest_silence.as_secs_f64(),
                     limit.as_secs()
                 ));
             }
         }
+        // The interop probe read the first connection only, at the same time, and its own
+        // connection reached its bound at another moment: compared only when not followed.
         if let Some(seen) = probed
+            && !followed
             && matches!(
                 record.end,
                 EndReason::Eof | EndReason::Stopped | EndReason::Cut
@@ -732,7 +744,7 @@ impl Ctx<'_> {
             failures.push(msg);
         }
         if let Some(name) = &s.measure_first_frame {
-            match record.first_frame {
+            match first_frame {
                 Some(t) => {
                     self.measurements.insert(name.clone(), t.as_secs_f64());
                 }
@@ -775,7 +787,16 @@ impl Ctx<'_> {
         if let Some(want) = &check.event
             && &event.event != want
         {
-            failures.push(format!("{label} is `{}`, expected `{want}`", event.event));
+            // A stream's own end says why it ended.
+            let why = if event.event == "stream.end" {
+                format!(" ({})", event.data)
+            } else {
+                String::new()
+            };
+            failures.push(format!(
+                "{label} is `{}`{why}, expected `{want}`",
+                event.event
+            ));
         }
         if let Some(id) = &check.id {
             let want = self.vars.render(id)?;
@@ -796,6 +817,97 @@ impl Ctx<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Sends the stream's request, waiting out throttling, until a response that is judged:
+    /// its headers must come within `deadline`.
+    async fn open_stream(
+        &mut self,
+        prepared: &Prepared,
+        last_event_id: Option<String>,
+        deadline: Duration,
+        label: &str,
+    ) -> Result<Opened, StepError> {
+        let what = format!("GET {}", prepared.target);
+        let mut attempt = 1;
+        loop {
+            let at_ms = self.at();
+            let sent = Instant::now();
+            self.target.usage.sent(0);
+            // The response headers, like the stream after them, must come within the step's
+            // deadline; no request timeout beyond that.
+            let result =
+                tokio::time::timeout(deadline, self.builder(&self.target.client, prepared).send())
+                    .await;
+            let mut exchange = SseExchange {
+                step: label.to_owned(),
+                at_ms,
+                credential: self.credential(prepared),
+                target: prepared.target.clone(),
+                last_event_id: last_event_id.clone(),
+                status: None,
+                response_headers: Vec::new(),
+                frames: Vec::new(),
+                first_frame_ms: None,
+                eof_ms: None,
+                end: String::new(),
+            };
+            let response = match result {
+                Ok(Ok(r)) => r,
+                Err(_) => {
+                    let within = if deadline.subsec_millis() == 0 {
+                        format!("{}s", deadline.as_secs())
+                    } else {
+                        format!("{:.1}s", deadline.as_secs_f64())
+                    };
+                    let reason = format!(
+                        "no response: headers not received within {within} (the step's deadline)"
+                    );
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Fail(reason));
+                }
+                Ok(Err(e)) => {
+                    let reason = describe_reqwest(&e);
+                    exchange.end = format!("error: {reason}");
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(if e.is_connect() {
+                        StepError::Error(reason)
+                    } else {
+                        StepError::Fail(format!("no response: {reason}"))
+                    });
+                }
+            };
+            let status = response.status().as_u16();
+            let headers = response.headers().clone();
+            exchange.status = Some(status);
+            exchange.response_headers = record_headers(&headers);
+            match self.throttle(&what, status, &headers, attempt) {
+                OnThrottle::Judge => {
+                    return Ok(Opened {
+                        exchange,
+                        response,
+                        sent,
+                        status,
+                        headers,
+                    });
+                }
+                OnThrottle::GiveUp(reason) => {
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    return Err(StepError::Error(reason));
+                }
+                OnThrottle::Wait(t) => {
+                    drop(response);
+                    exchange.end = "throttled".into();
+                    self.transcript.push(Entry::Sse(exchange));
+                    self.spent_waiting(t.wait);
+                    self.record_wait(label, &what, &t);
+                    tokio::time::sleep(t.wait).await;
+                    attempt += 1;
+                }
+            }
+        }
     }
 
     /// Reads the same stream with `eventsource-client`; a difference in event types or ids
@@ -898,4 +1010,70 @@ impl Ctx<'_> {
             ))
         }
     }
+}
+
+/// The cursor to follow a stream from, when `event` is a `stream.end` for the stream's bound:
+/// `max_duration`, or a reason this runner does not know, which clients treat alike (§7). Not
+/// for `lagging`, whose cursor has already expired.
+fn followable_end(event: &crate::sse::Event) -> Option<u64> {
+    if event.event != "stream.end" {
+        return None;
+    }
+    let data: Value = serde_json::from_str(&event.data).ok()?;
+    if data.get("reason").and_then(Value::as_str) == Some("lagging") {
+        return None;
+    }
+    data.get("resume_after").and_then(Value::as_u64)
+}
+
+/// Records what one connection of a stream delivered in its transcript entry, checks its
+/// framing (continuing from the connections before it) and returns its events.
+fn take_frames(
+    exchange: &mut SseExchange,
+    record: &crate::sse::StreamRecord,
+    framing: &mut Framing,
+    s: &Sse,
+    failures: &mut Vec<String>,
+) -> Vec<crate::sse::Event> {
+    exchange.first_frame_ms = record.first_frame.map(ms);
+    exchange.eof_ms = record.eof.map(ms);
+    exchange.end = match &record.end {
+        EndReason::TooLarge(t) => format!("TooLarge: {t}"),
+        end => format!("{end:?}"),
+    };
+    let mut events = Vec::new();
+    for timed in &record.items {
+        let at_ms = ms(timed.at);
+        match &timed.item {
+            Item::Event(e) => {
+                exchange.frames.push(Frame::Event {
+                    at_ms,
+                    event: e.event.clone(),
+                    id: e.id.clone(),
+                    data: e.data.clone(),
+                });
+                if s.strict_framing {
+                    for fault in framing.check(e) {
+                        failures.push(format!("framing: {fault}"));
+                    }
+                }
+                events.push(e.clone());
+            }
+            Item::Comment(text) => exchange.frames.push(Frame::Comment {
+                at_ms,
+                text: text.clone(),
+            }),
+            Item::Retry(n) => exchange.frames.push(Frame::Retry { at_ms, ms: *n }),
+            Item::Fault(fault) => {
+                exchange.frames.push(Frame::Fault {
+                    at_ms,
+                    fault: fault.to_string(),
+                });
+                if s.strict_framing {
+                    failures.push(format!("framing: {fault}"));
+                }
+            }
+        }
+    }
+    events
 }
