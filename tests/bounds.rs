@@ -580,3 +580,49 @@ fn a_followed_stream_is_resumed_after_its_bound_and_still_fails_when_it_never_en
         "{endless}"
     );
 }
+
+/// `leave_after_ms` counts from the answer's head: a client that goes away after reading a
+/// long answer for a while reads it for that long even when the head comes later than that
+/// (a loaded target), then closes the connection instead of reading on.
+#[test]
+fn leaving_early_counts_from_the_head_and_closes_the_answer() {
+    let url = serve(Box::new(|method, path| {
+        if path == "/v1/capabilities" {
+            return v1_capabilities();
+        }
+        match (method, path) {
+            ("POST", "/v1/jobs") => {
+                std::thread::sleep(Duration::from_millis(1500));
+                Answer::Trickle {
+                    content_type: "application/x-ndjson",
+                    first: b"{\"type\":\"started\"}\n".to_vec(),
+                    again: b"{\"type\":\"output\"}\n".to_vec(),
+                    every: Duration::from_millis(100),
+                }
+            }
+            _ => {
+                empty_list(method, path).unwrap_or_else(|| json(404, json!({"code": "not_found"})))
+            }
+        }
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    let catalog_dir = catalog(
+        dir.path(),
+        "leave/late-head.yaml",
+        "id: LEAVE-001\ntitle: A job is left while it runs\nclauses: [SBX-3.1]\nlevel: SHOULD\nsteps:\n  - request: {method: GET, path: /v1/capabilities}\n  - request:\n      name: start it and go away\n      method: POST\n      path: /v1/jobs\n      json: {}\n      leave_after_ms: 1000\n      expect:\n        status: 200\n        json_lines:\n          - {pointer: \"\", includes: {type: started}}\n          - {pointer: \"\", includes: {type: output}}\n          - {pointer: \"\", excludes: {type: done}}\n",
+    );
+    let m = run(&url, dir.path(), &catalog_dir, &[]);
+    let r = receipt::predicate(&dir.path().join("out"));
+    assert_eq!(
+        receipt::scenario(&r, "LEAVE-001")["outcome"],
+        "pass",
+        "{}",
+        m.stdout
+    );
+    // Left about a second after the head: nowhere near the 30 s request timeout.
+    assert!(
+        m.took < Duration::from_secs(15),
+        "the run took {:?}",
+        m.took
+    );
+}

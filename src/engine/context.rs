@@ -582,27 +582,28 @@ pub(super) async fn exchange_holding(
     Ok((observed, None))
 }
 
-/// [`exchange`], but the body is read only until `leave_after` has passed since the request
-/// was sent (or it ends); the response is then dropped, which closes its connection.
+/// [`exchange`], but the body is read only until `leave_after` has passed since its head
+/// arrived (or it ends); the response is then dropped, which closes its connection. The head
+/// itself is bounded by the request timeout alone: on a loaded machine it may come late, and
+/// the client is to go away only once it has been answered for a while.
 async fn exchange_leaving(
     builder: reqwest::RequestBuilder,
     limit: Duration,
     limits: ReadLimits,
     leave_after: Duration,
 ) -> Result<Observed, Failed> {
-    let until = tokio::time::Instant::now() + leave_after;
     let secs = limit.as_secs_f64();
-    let wait = limit.min(leave_after);
-    let response = match tokio::time::timeout(wait, builder.send()).await {
+    let response = match tokio::time::timeout(limit, builder.send()).await {
         Err(_) => {
             return Err(Failed::before_head(
-                format!("headers not received within {}s", wait.as_secs_f64()),
+                format!("headers not received within {secs}s (--request-timeout)"),
                 false,
             ));
         }
         Ok(Err(e)) => return Err(Failed::before_head(describe_reqwest(&e), e.is_connect())),
         Ok(Ok(r)) => r,
     };
+    let until = tokio::time::Instant::now() + leave_after;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
     let failed = |reason: String| Failed {

@@ -27,6 +27,15 @@ pub enum Answer {
         first: Vec<u8>,
         again: Vec<u8>,
     },
+    /// A `200` with this content type whose body is `first`, then `again` every `every`, for
+    /// ever (until the client closes the connection): an answer that goes on at its own pace,
+    /// as a long execution's output does.
+    Trickle {
+        content_type: &'static str,
+        first: Vec<u8>,
+        again: Vec<u8>,
+        every: Duration,
+    },
 }
 
 /// Picks the answer to a request by its method and path (query included).
@@ -93,6 +102,25 @@ fn answer(mut socket: TcpStream, route: &HeadRoute) {
             }
             // Until the client closes: a write then fails.
             while socket.write_all(&again).is_ok() {}
+        }
+        Answer::Trickle {
+            content_type,
+            first,
+            again,
+            every,
+        } => {
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n"
+            );
+            if socket.write_all(response.as_bytes()).is_err() || socket.write_all(&first).is_err() {
+                return;
+            }
+            loop {
+                std::thread::sleep(every);
+                if socket.write_all(&again).is_err() {
+                    return;
+                }
+            }
         }
     }
 }

@@ -42,7 +42,7 @@ pub struct Request {
     /// interpreter's service is on 49999.
     #[serde(default)]
     pub port: Option<Located<u16>>,
-    /// Read the response for at most this many milliseconds from when the request is sent,
+    /// Read the response body for at most this many milliseconds from when its head arrived,
     /// then close the connection, as a client that goes away does; the expectations judge
     /// what was read by then (a body that ends sooner is read whole).
     #[serde(default)]
