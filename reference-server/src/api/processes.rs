@@ -322,43 +322,19 @@ pub async fn output(
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
     };
-    let mut cursor = after;
     // The runtime records the end of a process just before it appends the `exit` event. A
     // reader that already saw the process ended waits that moment out, so that `complete`
     // never lags behind the state GET reports.
-    let mut exit_wait = if process.state == ProcessState::Running {
+    let exit_wait = if process.state == ProcessState::Running {
         0
     } else {
         EXIT_EVENT_WAIT_TRIES
     };
-    'read: loop {
-        let events = state.store.events_after(&stream, cursor, 1000).await?;
-        if events.is_empty() {
-            if exit_wait > 0 && cursor < readable_through && !exit_logged(&state, &stream).await? {
-                exit_wait -= 1;
-                tokio::time::sleep(EXIT_EVENT_WAIT_STEP).await;
-                continue;
-            }
-            break;
-        }
-        for event in &events {
-            if event.seq > readable_through {
-                break 'read;
-            }
-            cursor = event.seq;
-            out.next_offset = event.seq;
-            let text = event.data.get("data").and_then(Value::as_str).unwrap_or("");
-            match event.kind.as_str() {
-                "stdout" => out.stdout.push_str(text),
-                "stderr" => out.stderr.push_str(text),
-                "exit" => {
-                    out.complete = true;
-                    break 'read;
-                }
-                _ => {}
-            }
-        }
-    }
+    let log = StoreLog {
+        state: &state,
+        stream: &stream,
+    };
+    read_output(&log, after, readable_through, exit_wait, &mut out).await?;
     if !out.complete && process.state != ProcessState::Running && out.next_offset > 0 {
         // Everything was read earlier: complete when the event at the offset is the exit.
         let last = state
@@ -382,6 +358,79 @@ pub async fn output(
         }
     }
     Ok(axum::Json(out).into_response())
+}
+
+/// What reading a process's retained output needs of its log.
+trait OutputLog {
+    /// Events after `cursor`, oldest first.
+    async fn after(&self, cursor: i64) -> Result<Vec<crate::store::Event>, ApiError>;
+    /// Whether the log's last event is the `exit`.
+    async fn exit_logged(&self) -> Result<bool, ApiError>;
+}
+
+/// A process's log in the store.
+struct StoreLog<'a> {
+    state: &'a AppState,
+    stream: &'a str,
+}
+
+impl OutputLog for StoreLog<'_> {
+    async fn after(&self, cursor: i64) -> Result<Vec<crate::store::Event>, ApiError> {
+        Ok(self
+            .state
+            .store
+            .events_after(self.stream, cursor, 1000)
+            .await?)
+    }
+
+    async fn exit_logged(&self) -> Result<bool, ApiError> {
+        exit_logged(self.state, self.stream).await
+    }
+}
+
+/// Reads the output after `after` (through `readable_through`) into `out`, up to and with the
+/// `exit` event, which makes it complete. With `exit_wait` tries left, a read that finds
+/// nothing more waits for the `exit` of a process recorded as ended; once the log has it, it
+/// reads again rather than stopping, since it may have landed just after the read that found
+/// nothing.
+async fn read_output(
+    log: &impl OutputLog,
+    after: i64,
+    readable_through: i64,
+    mut exit_wait: u32,
+    out: &mut Output,
+) -> Result<(), ApiError> {
+    let mut cursor = after;
+    loop {
+        let events = log.after(cursor).await?;
+        if events.is_empty() {
+            if exit_wait == 0 || cursor >= readable_through {
+                return Ok(());
+            }
+            exit_wait -= 1;
+            if !log.exit_logged().await? {
+                tokio::time::sleep(EXIT_EVENT_WAIT_STEP).await;
+            }
+            continue;
+        }
+        for event in &events {
+            if event.seq > readable_through {
+                return Ok(());
+            }
+            cursor = event.seq;
+            out.next_offset = event.seq;
+            let text = event.data.get("data").and_then(Value::as_str).unwrap_or("");
+            match event.kind.as_str() {
+                "stdout" => out.stdout.push_str(text),
+                "stderr" => out.stderr.push_str(text),
+                "exit" => {
+                    out.complete = true;
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Whether the process's output is past its retention: marked expired by the reaper, or due
@@ -552,4 +601,76 @@ pub async fn signal(
         .signal(&rec.id, signal)
         .map_err(exited_if_unknown)?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use serde_json::json;
+
+    use super::*;
+
+    /// A process's log whose `exit` is appended at a chosen moment: right after the first read
+    /// that finds nothing more, before the reader asks whether the exit is logged.
+    struct ExitLandsAfterARead {
+        events: Mutex<Vec<crate::store::Event>>,
+        empty_reads: Mutex<u32>,
+    }
+
+    fn event(seq: i64, kind: &str, data: Value) -> crate::store::Event {
+        crate::store::Event {
+            stream: "process:p".into(),
+            seq,
+            kind: kind.into(),
+            data,
+            at: time::OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    impl OutputLog for ExitLandsAfterARead {
+        async fn after(&self, cursor: i64) -> Result<Vec<crate::store::Event>, ApiError> {
+            let events = self.events.lock().unwrap();
+            let after: Vec<_> = events.iter().filter(|e| e.seq > cursor).cloned().collect();
+            if after.is_empty() {
+                *self.empty_reads.lock().unwrap() += 1;
+            }
+            Ok(after)
+        }
+
+        async fn exit_logged(&self) -> Result<bool, ApiError> {
+            let mut events = self.events.lock().unwrap();
+            if *self.empty_reads.lock().unwrap() == 1 && events.last().unwrap().kind != "exit" {
+                events.push(event(3, "exit", json!({"exit_code": 5})));
+            }
+            Ok(events.last().unwrap().kind == "exit")
+        }
+    }
+
+    #[tokio::test]
+    async fn an_exit_that_lands_between_two_reads_is_read_and_completes_the_output() {
+        let log = ExitLandsAfterARead {
+            events: Mutex::new(vec![
+                event(1, "stdout", json!({"data": "a\n"})),
+                event(2, "stderr", json!({"data": "b\n"})),
+            ]),
+            empty_reads: Mutex::new(0),
+        };
+        let mut out = Output {
+            stdout: String::new(),
+            stderr: String::new(),
+            next_offset: 0,
+            complete: false,
+            truncated: false,
+        };
+        read_output(&log, 0, i64::MAX, EXIT_EVENT_WAIT_TRIES, &mut out)
+            .await
+            .unwrap();
+        assert_eq!((out.stdout.as_str(), out.stderr.as_str()), ("a\n", "b\n"));
+        assert!(
+            out.complete,
+            "the exit was in the log before the read ended"
+        );
+        assert_eq!(out.next_offset, 3);
+    }
 }
