@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId, SandboxState};
-use crate::sandbox::{ProviderError, Signal};
+use crate::sandbox::{ProviderError, Signal, process_record};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;
 use crate::stream::sse::{self, Options, Subject};
@@ -161,31 +161,16 @@ pub async fn start(
             .providers
             .get(provider_name)
             .ok_or_else(|| ApiError::internal("unknown provider"))?;
-        let process = Process {
-            id: QualifiedId::new(provider_name, provider.allocate_local_id(IdKind::Process))
+        let process = Process::running(
+            QualifiedId::new(provider_name, provider.allocate_local_id(IdKind::Process))
                 .to_string(),
-            sandbox_id: current.id.clone(),
-            state: ProcessState::Running,
-            cmd: spec.cmd.clone(),
-            tag: spec.tag.clone(),
-            exit_code: None,
-            signal: None,
-            started_at: now(),
-            ended_at: None,
-            output_expires_at: None,
-            output_expired: false,
-        };
-        let rec = Record {
-            kind: Kind::Process,
-            id: process.id.clone(),
-            owner: principal,
-            parent: Some(current.id.clone()),
-            state: ProcessState::Running.as_str().to_owned(),
-            body: serde_json::to_value(&process).map_err(ApiError::internal)?,
-            version: 1,
-            created_at: process.started_at,
-            due_at: None,
-        };
+            current.id.clone(),
+            spec.cmd.clone(),
+            spec.tag.clone(),
+            now(),
+        );
+        let body = serde_json::to_value(&process).map_err(ApiError::internal)?;
+        let rec = process_record(&process, principal, body);
         state.store.insert(&rec).await?;
         if let Err(e) = provider
             .spawn(sandbox_local, rec.clone(), &spec, &env_of(&current))

@@ -149,6 +149,31 @@ pub struct Process {
     pub output_expired: bool,
 }
 
+impl Process {
+    /// A process that starts now: `Running`, with nothing of its end yet.
+    pub fn running(
+        id: String,
+        sandbox_id: String,
+        cmd: Vec<String>,
+        tag: Option<String>,
+        started_at: OffsetDateTime,
+    ) -> Process {
+        Process {
+            id,
+            sandbox_id,
+            state: ProcessState::Running,
+            cmd,
+            tag,
+            exit_code: None,
+            signal: None,
+            started_at,
+            ended_at: None,
+            output_expires_at: None,
+            output_expired: false,
+        }
+    }
+}
+
 /// A token-guarded URL proxying to a port inside a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Preview {

@@ -32,7 +32,7 @@ use crate::api::extract::read_body;
 use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId};
-use crate::sandbox::{ProviderError, Signal};
+use crate::sandbox::{ProviderError, Signal, process_record};
 use crate::store::{Kind, ListQuery, Record, Scope, StoreError};
 use crate::stream::process_stream;
 
@@ -316,36 +316,20 @@ async fn start_kernel(
         sbx.env()
     };
     let (provider_name, _) = crate::api::lookup::split(&sbx.rec.id).map_err(Failure::internal)?;
-    let process = Process {
-        id: QualifiedId::new(
+    let process = Process::running(
+        QualifiedId::new(
             provider_name,
             sbx.provider.allocate_local_id(IdKind::Process),
         )
         .to_string(),
-        sandbox_id: sbx.rec.id.clone(),
-        state: ProcessState::Running,
+        sbx.rec.id.clone(),
         cmd,
-        tag: None,
-        exit_code: None,
-        signal: None,
-        started_at: now(),
-        ended_at: None,
-        output_expires_at: None,
-        output_expired: false,
-    };
+        None,
+        now(),
+    );
     let mut body = serde_json::to_value(&process).map_err(Failure::internal)?;
     body["e2b_kernel"] = serde_json::to_value(&info).map_err(Failure::internal)?;
-    let rec = Record {
-        kind: Kind::Process,
-        id: process.id.clone(),
-        owner: sbx.rec.owner.clone(),
-        parent: Some(sbx.rec.id.clone()),
-        state: ProcessState::Running.as_str().to_owned(),
-        body,
-        version: 1,
-        created_at: process.started_at,
-        due_at: None,
-    };
+    let rec = process_record(&process, sbx.rec.owner.clone(), body);
     state.store.insert(&rec).await?;
     if let Err(e) = sbx
         .provider

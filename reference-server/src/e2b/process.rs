@@ -23,7 +23,7 @@ use crate::api::AppState;
 use crate::clock::now;
 use crate::defects::Defect;
 use crate::domain::{IdKind, Process, ProcessSpec, ProcessState, QualifiedId};
-use crate::sandbox::{LocalProvider, ProviderError, Signal, TerminalSize};
+use crate::sandbox::{LocalProvider, ProviderError, Signal, TerminalSize, process_record};
 use crate::store::{Kind, ListQuery, Record, Scope};
 use crate::stream::process_stream;
 
@@ -483,23 +483,17 @@ async fn start_process(
         .map(|p| p.pid + 1)
         .max()
         .unwrap_or(FIRST_PID);
-    let process = Process {
-        id: QualifiedId::new(
+    let process = Process::running(
+        QualifiedId::new(
             provider_name,
             sbx.provider.allocate_local_id(IdKind::Process),
         )
         .to_string(),
-        sandbox_id: sbx.rec.id.clone(),
-        state: ProcessState::Running,
+        sbx.rec.id.clone(),
         cmd,
-        tag: req.tag.clone(),
-        exit_code: None,
-        signal: None,
-        started_at: now(),
-        ended_at: None,
-        output_expires_at: None,
-        output_expired: false,
-    };
+        req.tag.clone(),
+        now(),
+    );
     let mut body = serde_json::to_value(&process).map_err(crate::api::ApiError::internal)?;
     body["e2b"] = serde_json::to_value(E2bProcess {
         pid,
@@ -511,17 +505,7 @@ async fn start_process(
         pty: terminal.is_some(),
     })
     .map_err(crate::api::ApiError::internal)?;
-    let rec = Record {
-        kind: Kind::Process,
-        id: process.id.clone(),
-        owner: sbx.rec.owner.clone(),
-        parent: Some(sbx.rec.id.clone()),
-        state: ProcessState::Running.as_str().to_owned(),
-        body,
-        version: 1,
-        created_at: process.started_at,
-        due_at: None,
-    };
+    let rec = process_record(&process, sbx.rec.owner.clone(), body);
     state
         .store
         .insert(&rec)

@@ -24,7 +24,26 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::config::Config;
+use crate::domain::Process;
+use crate::store::{Kind, Record};
 use crate::stream::EventLog;
+
+/// The record of a process about to be spawned, as a provider takes it: owned by `owner`,
+/// under its sandbox, in the process's state, with `body` (the process, with what a protocol
+/// keeps beside it).
+pub fn process_record(process: &Process, owner: String, body: serde_json::Value) -> Record {
+    Record {
+        kind: Kind::Process,
+        id: process.id.clone(),
+        owner,
+        parent: Some(process.sandbox_id.clone()),
+        state: process.state.as_str().to_owned(),
+        body,
+        version: 1,
+        created_at: process.started_at,
+        due_at: None,
+    }
+}
 
 /// Every provider of this server, by name; the first is the default.
 pub struct Providers {

@@ -132,30 +132,14 @@ impl Gateway {
             timeout_ms: None,
             tag: Some("sandspec-worker".into()),
         };
-        let process = Process {
-            id: process_id.clone(),
-            sandbox_id: sandbox.id.clone(),
-            state: ProcessState::Running,
-            cmd: spec.cmd.clone(),
-            tag: spec.tag.clone(),
-            exit_code: None,
-            signal: None,
-            started_at: now(),
-            ended_at: None,
-            output_expires_at: None,
-            output_expired: false,
-        };
-        let rec = Record {
-            kind: Kind::Process,
-            id: process_id.clone(),
-            owner: loaded.rec.owner.clone(),
-            parent: Some(sandbox.id.clone()),
-            state: ProcessState::Running.as_str().to_owned(),
-            body: encode(&process)?,
-            version: 1,
-            created_at: process.started_at,
-            due_at: None,
-        };
+        let process = Process::running(
+            process_id.clone(),
+            sandbox.id.clone(),
+            spec.cmd.clone(),
+            spec.tag.clone(),
+            now(),
+        );
+        let rec = process_record(&process, loaded.rec.owner.clone(), encode(&process)?);
         self.state.store.insert(&rec).await?;
         let sandbox_env: BTreeMap<String, String> = sandbox
             .body

@@ -19,10 +19,8 @@ use crate::api::AppState;
 use crate::clock::now;
 use crate::config::GatewayConfig;
 use crate::defects::Defect;
-use crate::domain::{
-    IdKind, Process, ProcessSpec, ProcessState, QualifiedId, Sandbox, SandboxState,
-};
-use crate::sandbox::{LocalProvider, Signal};
+use crate::domain::{IdKind, Process, ProcessSpec, QualifiedId, Sandbox, SandboxState};
+use crate::sandbox::{LocalProvider, Signal, process_record};
 use crate::store::{Event, Kind, ListQuery, Record, Scope, StoreError, StoreLock};
 
 use super::http::ApiResult;
