@@ -376,8 +376,8 @@ impl OutputLog for StoreLog<'_> {
 /// Reads the output after `after` (through `readable_through`) into `out`, up to and with the
 /// `exit` event, which makes it complete. With `exit_wait` tries left, a read that finds
 /// nothing more waits for the `exit` of a process recorded as ended; once the log has it, it
-/// reads again rather than stopping, since it may have landed just after the read that found
-/// nothing.
+/// reads once more rather than stopping, since it may have landed just after the read that
+/// found nothing (and a read after the exit itself finds nothing again, and stops).
 async fn read_output(
     log: &impl OutputLog,
     after: i64,
@@ -392,8 +392,11 @@ async fn read_output(
             if exit_wait == 0 || cursor >= readable_through {
                 return Ok(());
             }
-            exit_wait -= 1;
-            if !log.exit_logged().await? {
+            if log.exit_logged().await? {
+                // One more read: it has the exit unless the exit is at or before the cursor.
+                exit_wait = 0;
+            } else {
+                exit_wait -= 1;
                 tokio::time::sleep(EXIT_EVENT_WAIT_STEP).await;
             }
             continue;
@@ -632,6 +635,36 @@ mod tests {
         }
     }
 
+    fn empty_output() -> Output {
+        Output {
+            stdout: String::new(),
+            stderr: String::new(),
+            next_offset: 0,
+            complete: false,
+            truncated: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_after_the_exit_finds_nothing_at_once() {
+        let log = ExitLandsAfterARead {
+            events: Mutex::new(vec![
+                event(1, "stdout", json!({"data": "a\n"})),
+                event(2, "exit", json!({"exit_code": 0})),
+            ]),
+            empty_reads: Mutex::new(0),
+        };
+        let mut out = empty_output();
+        out.next_offset = 2;
+        read_output(&log, 2, i64::MAX, EXIT_EVENT_WAIT_TRIES, &mut out)
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, "");
+        assert_eq!(out.next_offset, 2);
+        // The exit is logged: one more read, not one per try.
+        assert_eq!(*log.empty_reads.lock().unwrap(), 2);
+    }
+
     #[tokio::test]
     async fn an_exit_that_lands_between_two_reads_is_read_and_completes_the_output() {
         let log = ExitLandsAfterARead {
@@ -641,13 +674,7 @@ mod tests {
             ]),
             empty_reads: Mutex::new(0),
         };
-        let mut out = Output {
-            stdout: String::new(),
-            stderr: String::new(),
-            next_offset: 0,
-            complete: false,
-            truncated: false,
-        };
+        let mut out = empty_output();
         read_output(&log, 0, i64::MAX, EXIT_EVENT_WAIT_TRIES, &mut out)
             .await
             .unwrap();
