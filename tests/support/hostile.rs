@@ -94,10 +94,7 @@ fn answer(mut socket: TcpStream, route: &HeadRoute) {
             first,
             again,
         } => {
-            let response = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n"
-            );
-            if socket.write_all(response.as_bytes()).is_err() || socket.write_all(&first).is_err() {
+            if !begin_endless(&mut socket, content_type, &first) {
                 return;
             }
             // Until the client closes: a write then fails.
@@ -109,10 +106,7 @@ fn answer(mut socket: TcpStream, route: &HeadRoute) {
             again,
             every,
         } => {
-            let response = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n"
-            );
-            if socket.write_all(response.as_bytes()).is_err() || socket.write_all(&first).is_err() {
+            if !begin_endless(&mut socket, content_type, &first) {
                 return;
             }
             loop {
@@ -123,6 +117,14 @@ fn answer(mut socket: TcpStream, route: &HeadRoute) {
             }
         }
     }
+}
+
+/// Writes the head of a `200` whose body has no length and `first` of its body; `false` when
+/// the client has gone.
+fn begin_endless(socket: &mut TcpStream, content_type: &str, first: &[u8]) -> bool {
+    let head =
+        format!("HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n");
+    socket.write_all(head.as_bytes()).is_ok() && socket.write_all(first).is_ok()
 }
 
 /// JSON answers, for the routes that behave.

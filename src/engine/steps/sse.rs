@@ -171,6 +171,18 @@ pub enum Until {
     Event(String),
 }
 
+impl Until {
+    /// Where a connection stops reading, when the stream's earlier connections delivered
+    /// `received` events already.
+    fn stop(&self, received: usize) -> Stop {
+        match self {
+            Until::Eof => Stop::Eof,
+            Until::Events(n) => Stop::Events((*n as usize).saturating_sub(received)),
+            Until::Event(t) => Stop::Event(t.clone()),
+        }
+    }
+}
+
 /// A request sent while the stream is open, after its first `events` events; judged by its
 /// own `expect`, recorded in the transcript between the stream's frames.
 #[derive(Debug, Clone, Deserialize)]
@@ -454,11 +466,7 @@ impl Ctx<'_> {
                 "content-type `{content_type}`, expected text/event-stream"
             ));
         }
-        let stop = match &s.until {
-            Until::Eof => Stop::Eof,
-            Until::Events(n) => Stop::Events(*n as usize),
-            Until::Event(t) => Stop::Event(t.clone()),
-        };
+        let stop = s.until.stop(0);
         // The interop probe reads the same stream at the same time, so it costs no time.
         // A stream the database is stopped under is read once: a second one would see the
         // outage at another point.
@@ -627,11 +635,7 @@ impl Ctx<'_> {
                 ));
                 break;
             }
-            let stop = match &s.until {
-                Until::Eof => Stop::Eof,
-                Until::Events(n) => Stop::Events((*n as usize).saturating_sub(events.len())),
-                Until::Event(t) => Stop::Event(t.clone()),
-            };
+            let stop = s.until.stop(events.len());
             record =
                 crate::sse::read_stream(response, self.target.limits, resent, stop, None, left)
                     .await;
